@@ -1,0 +1,124 @@
+"""The ``course`` command.
+
+    course run [--profile P] [--out DIR] [NOTEBOOK ...]   execute notebooks, write build/report.md
+    course doctor                                         versions, device, datasets, what to fix
+    course download cifar10                               fetch CIFAR-10 into data/
+    course bench [--json]                                 speed and memory ratios (benchmarks/)
+    course assign                                         regenerate exercises/ from solutions/
+    course grade NOTEBOOK|FOLDER [--timeout S] [--json]   grade a learner's notebook (or a class)
+    course check NOTEBOOK                                 run the visible tests, with hints
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from course_lib import env
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from course_lib import runner
+
+    profile = env.pick_profile(args.profile)
+    runs = runner.run(args.notebooks or None, profile, Path(args.out))
+    failed = [r["notebook"] for r in runs if r["error"]]
+    if failed:
+        print(f"[course] {len(failed)} notebook(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from course_lib import data
+
+    info = env.describe()
+    problems = []
+    for key, value in info.items():
+        print(f"{key:>16}: {value}")
+    print(f"{'profile':>16}: {env.pick_profile()} (set COURSE_PROFILE to smoke, cpu or gpu to change)")
+    print(f"{'shapes dataset':>16}: available (generated offline)")
+    if data.cifar10_available():
+        print(f"{'CIFAR-10':>16}: available under {data.DATA_ROOT}")
+    else:
+        print(f"{'CIFAR-10':>16}: not downloaded (optional; `course download cifar10`)")
+    if not info["cuda_available"]:
+        print(f"{'GPU':>16}: none; the course runs on the CPU (profiles smoke and cpu)")
+    if str(info.get("torchvision", "")).startswith("unavailable"):
+        problems.append("torchvision does not import: reinstall with `pip install -e .`")
+    for p in problems:
+        print("fix:", p)
+    return 1 if problems else 0
+
+
+def _cmd_download(args: argparse.Namespace) -> int:
+    from course_lib import data
+
+    if args.dataset != "cifar10":
+        print(f"unknown dataset {args.dataset!r}; only cifar10 is downloadable", file=sys.stderr)
+        return 2
+    data.load_dataset("cifar10", download=True)
+    print(f"CIFAR-10 is under {data.DATA_ROOT}")
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from course_lib import bench
+
+    table = bench.run_all(only=args.only)
+    print(json.dumps(table, indent=1) if args.json else bench.format_table(table))
+    return 0
+
+
+def _cmd_grading(args: argparse.Namespace) -> int:
+    from course_lib.grading import commands
+
+    return getattr(commands, args.command)(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="course", description="Training neural networks that do not fit.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run", help="execute notebooks with papermill into build/ and write a report")
+    p.add_argument("notebooks", nargs="*", help="notebook files or number prefixes (default: all)")
+    p.add_argument("--profile", choices=env.PROFILES, help="default: $COURSE_PROFILE, else gpu with CUDA, else cpu")
+    p.add_argument("--out", default="build", help="output folder (default: build)")
+    p.set_defaults(func=_cmd_run)
+    p = sub.add_parser("doctor", help="versions, device, datasets, and what to fix")
+    p.set_defaults(func=_cmd_doctor)
+    p = sub.add_parser("download", help="download a dataset into data/")
+    p.add_argument("dataset", help="cifar10")
+    p.set_defaults(func=_cmd_download)
+    p = sub.add_parser("bench", help="measure the speed and memory ratios in benchmarks/")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--only", nargs="*", help="run only these benchmark modules")
+    p.set_defaults(func=_cmd_bench)
+    p = sub.add_parser("assign", help="regenerate exercises/ from solutions/")
+    p.add_argument("--check", action="store_true", help="fail if exercises/ is out of date, write nothing")
+    p.set_defaults(func=_cmd_grading)
+    p = sub.add_parser("grade", help="grade a notebook, or every notebook in a folder into a CSV")
+    p.add_argument("notebook", help="a learner's .ipynb, or a folder of them")
+    p.add_argument("--timeout", type=int, default=60, help="seconds allowed per cell (default 60)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--csv", help="with a folder: where to write the CSV (default: <folder>/grades.csv)")
+    p.set_defaults(func=_cmd_grading)
+    p = sub.add_parser("check", help="run an exercise's visible tests, with hints")
+    p.add_argument("notebook")
+    p.add_argument("--timeout", type=int, default=60)
+    p.set_defaults(func=_cmd_grading)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"course {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

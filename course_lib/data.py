@@ -1,0 +1,182 @@
+"""Datasets and loaders (chapter 00).
+
+``shapes``: the offline default. Ten classes of procedurally drawn shapes in
+CIFAR's format (3x32x32 float images, labels 0-9), drawn deterministically
+from a seed: random position, scale, rotation, colours, background gradient
+and pixel noise. No download, no files; 10,000 images take well under a second.
+
+``cifar10``: torchvision's CIFAR-10, used when it is under ``data/`` or when
+the learner passes ``download=True``.
+
+``tokens``: integer sequences for the tiny transformer (chapters 05-09).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+DATA_ROOT = Path(__file__).resolve().parent.parent / "data"
+SHAPE_CLASSES = (
+    "circle", "ring", "square", "triangle", "plus",
+    "star", "ellipse", "crescent", "ell", "half-disc",
+)
+DATASETS = ("shapes", "cifar10")
+# Per-channel mean and std of CIFAR-10's training set (the values torchvision's
+# examples use); the shapes set is drawn to have similar statistics.
+CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR_STD = (0.2470, 0.2435, 0.2616)
+
+
+def _shape_masks(u: torch.Tensor, v: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Foreground mask of each image's shape, in local coordinates where the shape spans about [-1, 1]."""
+    r = torch.sqrt(u**2 + v**2)
+    theta = torch.atan2(v, u)
+    masks = torch.stack([
+        r < 0.8,                                                          # circle
+        (r > 0.5) & (r < 0.9),                                            # ring
+        (u.abs() < 0.7) & (v.abs() < 0.7),                                # square
+        (v > -0.45) & (v < 0.9 - math.sqrt(3) * u.abs()),                 # triangle
+        ((u.abs() < 0.25) & (v.abs() < 0.85)) | ((v.abs() < 0.25) & (u.abs() < 0.85)),  # plus
+        r < 0.55 + 0.35 * torch.cos(5 * theta),                           # star
+        (u / 0.95) ** 2 + (v / 0.45) ** 2 < 1,                            # ellipse
+        (r < 0.85) & ((u - 0.4) ** 2 + v**2 > 0.6**2),                    # crescent
+        ((u > -0.7) & (u < -0.2) & (v.abs() < 0.8)) | ((u.abs() < 0.7) & (v > -0.8) & (v < -0.3)),  # ell
+        (r < 0.85) & (v > -0.1),                                          # half-disc
+    ], dim=1)  # (N, 10, H, W)
+    return masks[torch.arange(len(labels)), labels]
+
+
+def make_shapes(n: int, seed: int = 0, size: int = 32, noise: float = 0.05) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw ``n`` labelled shape images: ``(images (n, 3, size, size) in [0, 1], labels (n,))``.
+
+    The same ``(n, seed)`` always gives the same tensors; different seeds give
+    independent sets (train and test use different seeds).
+    """
+    if n <= 0:
+        raise ValueError(f"n must be positive, got {n}")
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.rand(*shape, generator=g)  # noqa: E731
+    labels = torch.randint(0, len(SHAPE_CLASSES), (n,), generator=g)
+    # Pixel grid in [-1, 1]; each shape gets its own centre, scale and rotation.
+    axis = torch.linspace(-1, 1, size)
+    y, x = torch.meshgrid(axis, axis, indexing="ij")
+    cx, cy = (rand(n) - 0.5) * 0.9, (rand(n) - 0.5) * 0.9
+    scale = 0.45 + 0.4 * rand(n)  # the shape's radius: 0.45 to 0.85 of the half-width (7 to 14 pixels)
+    angle = rand(n) * 2 * math.pi
+    dx = (x[None] - cx[:, None, None]) / scale[:, None, None]
+    dy = (y[None] - cy[:, None, None]) / scale[:, None, None]
+    cos, sin = torch.cos(angle)[:, None, None], torch.sin(angle)[:, None, None]
+    u, v = cos * dx + sin * dy, -sin * dx + cos * dy
+    mask = _shape_masks(u, v, labels).unsqueeze(1).float()  # (n, 1, H, W)
+    # Background: a random colour with a random linear gradient. Foreground: a
+    # colour at least 0.5 away from the background's, so every shape is visible.
+    bg = rand(n, 3, 1, 1)
+    grad_dir = rand(n, 2, 1, 1) * 2 - 1
+    gradient = 0.15 * (grad_dir[:, :1] * x + grad_dir[:, 1:] * y)  # (n, 1, H, W)
+    fg = rand(n, 3, 1, 1)
+    too_close = (fg - bg).norm(dim=1, keepdim=True) < 0.5
+    fg = torch.where(too_close, 1 - bg, fg)
+    images = mask * fg + (1 - mask) * (bg + gradient)
+    images = images + noise * torch.randn(images.shape, generator=g)
+    return images.clamp(0, 1), labels
+
+
+def normalize(images: torch.Tensor) -> torch.Tensor:
+    """Standardise channels with CIFAR-10's mean and std, as torchvision's examples do."""
+    mean = torch.tensor(CIFAR_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(CIFAR_STD).view(1, 3, 1, 1)
+    return (images - mean) / std
+
+
+def load_dataset(
+    name: str = "shapes",
+    split: str = "train",
+    n: int | None = None,
+    seed: int = 0,
+    root: str | Path = DATA_ROOT,
+    download: bool = False,
+) -> Dataset:
+    """A CIFAR-shaped dataset of normalised ``(image, label)`` pairs.
+
+    ``shapes`` (default, offline): ``n`` images (8,000 train / 2,000 test by
+    default) drawn from ``seed``. ``cifar10``: read from ``root``; missing
+    files are an error unless ``download=True``. ``n`` keeps the first ``n``.
+    """
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    if name == "shapes":
+        count = n or (8000 if split == "train" else 2000)
+        # Train and test come from different seeds, so they share no image.
+        images, labels = make_shapes(count, seed=2 * seed + (split == "test"))
+        return TensorDataset(normalize(images), labels)
+    if name == "cifar10":
+        return _cifar10(split, n, Path(root), download)
+    raise ValueError(f"unknown dataset {name!r}: choose one of {', '.join(DATASETS)}")
+
+
+def cifar10_available(root: str | Path = DATA_ROOT) -> bool:
+    """True when torchvision's CIFAR-10 files are under ``root``."""
+    return (Path(root) / "cifar-10-batches-py" / "data_batch_1").exists()
+
+
+def _cifar10(split: str, n: int | None, root: Path, download: bool) -> Dataset:
+    if not download and not cifar10_available(root):
+        raise FileNotFoundError(
+            f"CIFAR-10 is not under {root}. Download it once (about 170 MB) with\n"
+            "    course download cifar10\n"
+            "or pass download=True; or use the offline default, load_dataset('shapes')."
+        )
+    import torchvision
+
+    ds = torchvision.datasets.CIFAR10(str(root), train=split == "train", download=download)
+    images = torch.from_numpy(ds.data).permute(0, 3, 1, 2).float() / 255  # (N, 32, 32, 3) uint8 -> (N, 3, 32, 32)
+    labels = torch.tensor(ds.targets)
+    if n is not None:
+        images, labels = images[:n], labels[:n]
+    return TensorDataset(normalize(images), labels)
+
+
+def make_tokens(n: int, seq_len: int, vocab: int = 64, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences for next-token prediction: ``(inputs (n, seq_len), targets (n, seq_len))``.
+
+    Each sequence counts in steps of a hidden stride modulo ``vocab``
+    (``x[t+1] = x[t] + stride``), so a model must infer the stride from the
+    context: learnable, but not from one token alone.
+    """
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, vocab, (n, 1), generator=g)
+    stride = torch.randint(1, 8, (n, 1), generator=g)
+    seq = (start + stride * torch.arange(seq_len + 1)) % vocab
+    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+def make_loader(
+    dataset: Dataset,
+    batch_size: int,
+    shuffle: bool = True,
+    seed: int = 0,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    drop_last: bool = True,
+) -> DataLoader:
+    """A ``DataLoader`` whose shuffling order depends only on ``seed``."""
+    if batch_size <= 0:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    return DataLoader(
+        dataset, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers,
+        pin_memory=pin_memory, drop_last=drop_last,
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+def checksum(*tensors: torch.Tensor) -> str:
+    """Short SHA-256 of the tensors' bytes: the same data gives the same checksum."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]

@@ -1,0 +1,204 @@
+"""Small models (chapters 01-09).
+
+- ``ResNet``: a CIFAR-style residual network whose normalisation layer is an
+  argument (``norm_layer(channels) -> nn.Module``), so chapter 04 can swap
+  BatchNorm for GroupNorm or MABN without touching the network.
+- ``MLP``: the simplest model with no normalisation, for exact-gradient checks.
+- ``TinyTransformer``: a decoder-only language model whose blocks form an
+  ``nn.Sequential`` (checkpointing, pipeline stages and sharding cut it there).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+NormLayer = Callable[[int], nn.Module]
+
+
+class BasicBlock(nn.Module):
+    """Two 3x3 convolutions with a residual connection (He et al. 2016)."""
+
+    def __init__(self, cin: int, cout: int, stride: int, norm_layer: NormLayer):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.norm1 = norm_layer(cout)
+        self.relu1 = nn.ReLU()
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.norm2 = norm_layer(cout)
+        self.relu2 = nn.ReLU()
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), norm_layer(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu1(self.norm1(self.conv1(x)))
+        out = self.norm2(self.conv2(out))
+        return self.relu2(out + self.shortcut(x))
+
+
+class ResNet(nn.Module):
+    """A CIFAR ResNet: a 3x3 stem, three stages (width, 2x, 4x; stride 1, 2, 2), pooling, a linear head.
+
+    With ``blocks=(1, 1, 1)`` it has 7 convolutions and one linear layer in the main path.
+    """
+
+    def __init__(
+        self,
+        width: int = 16,
+        blocks: tuple[int, int, int] = (1, 1, 1),
+        num_classes: int = 10,
+        norm_layer: NormLayer = nn.BatchNorm2d,
+        in_channels: int = 3,
+    ):
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(in_channels, width, 3, 1, 1, bias=False), norm_layer(width), nn.ReLU()
+        )
+        layers: list[nn.Module] = []
+        cin = width
+        for stage, count in enumerate(blocks):
+            cout = width * 2**stage
+            for i in range(count):
+                layers.append(BasicBlock(cin, cout, 2 if (stage > 0 and i == 0) else 1, norm_layer))
+                cin = cout
+        self.layers = nn.Sequential(*layers)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.flatten = nn.Flatten()
+        self.fc = nn.Linear(cin, num_classes)
+        self.in_channels = in_channels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 4 or x.shape[1] != self.in_channels:
+            raise ValueError(
+                f"ResNet expects images of shape (batch, {self.in_channels}, H, W); got {tuple(x.shape)}"
+            )
+        return self.fc(self.flatten(self.pool(self.layers(self.stem(x)))))
+
+
+class MLP(nn.Module):
+    """Flatten, then Linear-ReLU layers, then a linear head. No normalisation, no randomness."""
+
+    def __init__(self, in_features: int = 3 * 32 * 32, hidden: tuple[int, ...] = (256, 256), num_classes: int = 10):
+        super().__init__()
+        layers: list[nn.Module] = [nn.Flatten()]
+        prev = in_features
+        for h in hidden:
+            layers += [nn.Linear(prev, h), nn.ReLU()]
+            prev = h
+        layers.append(nn.Linear(prev, num_classes))
+        self.net = nn.Sequential(*layers)
+        self.in_features = in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x[0].numel() != self.in_features:
+            raise ValueError(
+                f"MLP expects {self.in_features} features per sample; got shape {tuple(x.shape)} "
+                f"({x[0].numel()} per sample)"
+            )
+        return self.net(x)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention, written out op by op so every saved tensor is visible."""
+
+    def __init__(self, d_model: int, n_heads: int, max_len: int, dropout: float = 0.0):
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        # p = 0 would still save a mask in training; leave the op out instead.
+        self.attn_drop: nn.Module = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.register_buffer("mask", torch.ones(max_len, max_len).tril().bool(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        hd = C // self.n_heads
+        # (B, T, 3C) -> three (B, H, T, hd); contiguous so matmul saves these, not hidden copies
+        q, k, v = (t.view(B, T, self.n_heads, hd).transpose(1, 2).contiguous()
+                   for t in self.qkv(x).split(C, dim=2))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))      # (B, H, T, T): the O(T^2) memory
+        att = att.masked_fill(~self.mask[:T, :T], float("-inf")).softmax(dim=-1)
+        y = self.attn_drop(att) @ v                                  # (B, H, T, hd)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, d_model: int, n_heads: int, max_len: int, dropout: float = 0.0):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_heads, max_len, dropout)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Embedding(nn.Module):
+    """Token plus learned position embeddings: (B, T) integers -> (B, T, d_model)."""
+
+    def __init__(self, vocab: int, d_model: int, max_len: int):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d_model)
+        self.pos = nn.Embedding(max_len, d_model)
+        self.max_len = max_len
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"expected integer token ids of shape (batch, seq_len); got {tuple(idx.shape)} {idx.dtype}")
+        if idx.shape[1] > self.max_len:
+            raise ValueError(f"sequence length {idx.shape[1]} exceeds max_len={self.max_len}")
+        return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+
+
+class Head(nn.Module):
+    """Final LayerNorm and the linear map to vocabulary logits."""
+
+    def __init__(self, d_model: int, vocab: int):
+        super().__init__()
+        self.ln = nn.LayerNorm(d_model)
+        self.out = nn.Linear(d_model, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.ln(x))
+
+
+class TinyTransformer(nn.Module):
+    """A decoder-only language model: ``embed``, ``blocks`` (an ``nn.Sequential``), ``head``.
+
+    ``as_sequential()`` returns the same modules as one flat ``nn.Sequential``,
+    the form checkpointing and pipeline parallelism cut into pieces.
+    """
+
+    def __init__(self, vocab: int = 64, d_model: int = 64, n_heads: int = 4, n_layers: int = 2,
+                 max_len: int = 64, dropout: float = 0.0):
+        super().__init__()
+        self.embed = Embedding(vocab, d_model, max_len)
+        self.blocks = nn.Sequential(*[TransformerBlock(d_model, n_heads, max_len, dropout) for _ in range(n_layers)])
+        self.head = Head(d_model, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(idx)))
+
+    def as_sequential(self) -> nn.Sequential:
+        return nn.Sequential(self.embed, *self.blocks, self.head)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over every position: logits (B, T, V), targets (B, T)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def count_params(model: nn.Module, trainable_only: bool = False) -> int:
+    """Number of parameters (each shared parameter counted once)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)

@@ -1,0 +1,62 @@
+"""The course's plots (every chapter).
+
+Each function draws on a new figure, labels its axes with units, and returns
+the figure. ``save`` writes it where the runner collects figures for the
+report (``$COURSE_FIGURES``, else ``build/figures``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
+
+
+def figures_dir() -> Path:
+    return Path(os.environ.get("COURSE_FIGURES", Path("build") / "figures"))
+
+
+def save(fig: Figure, name: str) -> Path:
+    """Save ``fig`` as ``<figures dir>/<name>.png`` and return the path."""
+    path = figures_dir() / f"{name}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return path
+
+
+def curves(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], title: str, xlabel: str, ylabel: str,
+           logx: bool = False, logy: bool = False, marker: str = "o") -> Figure:
+    """Several labelled ``(x, y)`` curves on one axis."""
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for label, (x, y) in series.items():
+        ax.plot(x, y, marker=marker, label=label)
+    if logx:
+        ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    ax.grid(alpha=0.3)
+    if len(series) > 1:
+        ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def stacked_bars(parts: Mapping[str, Mapping[str, float]], title: str, ylabel: str = "MB") -> Figure:
+    """One stacked bar per configuration: ``{config: {part: value}}`` (e.g. params/grads/optimizer/activations)."""
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    configs = list(parts)
+    names = list(dict.fromkeys(k for p in parts.values() for k in p))
+    bottom = [0.0] * len(configs)
+    for name in names:
+        values = [parts[c].get(name, 0.0) for c in configs]
+        ax.bar(configs, values, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set(title=title, ylabel=ylabel)
+    ax.legend()
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    return fig
