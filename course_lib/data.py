@@ -155,6 +155,32 @@ def make_tokens(n: int, seq_len: int, vocab: int = 64, seed: int = 0) -> tuple[t
     return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
+class AugmentedDataset(Dataset):
+    """A dataset whose every sample is padded, randomly cropped and flipped in Python: a CPU-bound loader (chapter 02).
+
+    Real pipelines decode and augment each image on the CPU; this costs about
+    as much per sample, so the data loader, not the model, can be the bottleneck.
+    """
+
+    def __init__(self, base: TensorDataset, pad: int = 4, rounds: int = 4):
+        self.images, self.labels = base.tensors
+        self.pad, self.rounds = pad, rounds
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        img = self.images[i]
+        size = img.shape[-1]
+        for _ in range(self.rounds):  # several passes stand in for decoding and heavier augmentation
+            padded = torch.nn.functional.pad(img, (self.pad,) * 4, mode="reflect")
+            dx, dy = torch.randint(0, 2 * self.pad + 1, (2,)).tolist()
+            img = padded[:, dy:dy + size, dx:dx + size]
+            if torch.rand(()) < 0.5:
+                img = img.flip(-1)
+        return img.contiguous(), self.labels[i]
+
+
 def make_loader(
     dataset: Dataset,
     batch_size: int,

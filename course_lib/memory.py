@@ -16,6 +16,8 @@ and the batch shape alone, layer by layer, without running the computation.
 from __future__ import annotations
 
 import copy
+import os
+import sys
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator
 
@@ -238,24 +240,51 @@ def cuda_peak_bytes(fn: Callable[[], object], device: torch.device | str = "cuda
     return torch.cuda.max_memory_allocated(device) - base
 
 
+@contextmanager
+def _quiet_native_stderr() -> Iterator[None]:
+    """Send file descriptor 2 to /dev/null: the profiler's C++ side logs a few lines there at start and stop."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no descriptor 2 (some embedded interpreters): nothing to silence
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def cpu_peak_bytes(fn: Callable[[], object]) -> int:
     """Peak CPU memory allocated by PyTorch while ``fn()`` runs, above the start.
 
-    Uses the profiler's memory events (every allocation and free of the CPU
-    allocator, in order), so it sees temporaries that live only inside an op.
+    Replays the profiler's allocation records (every allocation and free of
+    the CPU allocator, in time order), so it sees temporaries that live only
+    inside an op. Frees of tensors made before ``fn`` are not recorded.
     """
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _quiet_native_stderr():
+        prof.start()
+    try:
         fn()
-    deltas = [
-        (e.time_range.start, e.cpu_memory_usage)
-        for e in prof.events()
-        if e.name == "[memory]"
-    ]
+    finally:
+        with _quiet_native_stderr():
+            prof.stop()
+    # The raw records, not ``prof.events()``: there an allocation made inside
+    # an op is folded into that op's totals and its moment is lost.
+    allocations = sorted(
+        ((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+         if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU),
+        key=lambda x: x[0],
+    )
     live = peak = 0
-    for _, d in sorted(deltas, key=lambda x: x[0]):
-        live += d
+    for _, nbytes in allocations:
+        live += nbytes
         peak = max(peak, live)
     return peak
 
@@ -276,3 +305,22 @@ def cuda_memory_history(path: str, max_entries: int = 100_000) -> Iterator[None]
     finally:
         torch.cuda.memory._dump_snapshot(path)
         torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def largest_fitting(fits: Callable[[int], bool], limit: int = 1 << 16) -> int:
+    """The largest ``n`` in 1..limit with ``fits(n)`` true, assuming ``fits`` turns false once and stays false.
+
+    Doubles until the first failure, then bisects: about 2 log2(n) calls of
+    ``fits`` (each may be a real training step that runs out of memory).
+    Returns 0 when even ``n = 1`` does not fit.
+    """
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:  # invariant: fits(lo), not fits(hi) (or hi is past the limit)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo

@@ -42,12 +42,18 @@ def find_notebooks(names: list[str] | None = None) -> list[Path]:
 
 def execute(notebook: Path, profile: str, out: Path, timeout: int = 1800) -> dict:
     """Run one notebook with papermill; return ``{"notebook", "seconds", "results", "error"}``."""
+    import logging
+
     import papermill as pm
+
+    # papermill tries to parse the parameters cell line by line and warns on multi-line size tables: harmless
+    logging.getLogger("papermill.translators").setLevel(logging.ERROR)
 
     check_profile(profile)
     stem = notebook.stem
     results_file = out / "results" / f"{stem}.jsonl"
     results_file.parent.mkdir(parents=True, exist_ok=True)
+    (out / "notebooks").mkdir(parents=True, exist_ok=True)
     results_file.unlink(missing_ok=True)  # a rerun replaces the old claims
     env_before = dict(os.environ)
     os.environ.update({  # the kernel inherits these

@@ -1,0 +1,256 @@
+"""Start distributed workers from a notebook or a test, and the worker's side of it (chapters 06-08).
+
+Parent side: ``run("course_lib.workers.selftest", nproc=2)`` runs
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m course_lib.workers.selftest ...
+
+in a subprocess, waits at most ``timeout`` seconds and returns the dict that
+rank 0 passed to ``report``. A failing rank raises ``RuntimeError`` with the
+tail of its log; a run past its timeout stops torchrun *and* every worker
+(torchrun starts each worker in a session of its own, so stopping torchrun's
+process group is not enough) and raises ``TimeoutError``.
+
+Worker side, in ``course_lib/workers/<name>.py``::
+
+    rank, world, device = init_distributed()
+    ...
+    report({"loss": 0.1})
+    shutdown()
+
+The same worker modules run across machines with torchrun's ``--nnodes`` and a
+rendezvous endpoint (``docs/multinode.md``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULT_ENV = "COURSE_RESULT_FILE"
+# Every process a launch starts inherits this tag, so the launcher can find
+# stragglers even after torchrun is gone and they were re-parented to init.
+TAG_ENV = "COURSE_LAUNCH_TAG"
+# Seconds torchrun gets to stop its workers after SIGTERM before we SIGKILL
+# them ourselves (torchrun's own grace period is 30 s; a notebook should not wait that long).
+STOP_GRACE_S = 5.0
+TAIL_LINES = 40
+
+
+# --------------------------------------------------------------------------- parent side
+
+def run(module: str, nproc: int, args: list[str] | None = None, timeout: float = 120.0,
+        env: dict[str, str] | None = None, log_dir: str | Path | None = None, echo: bool = False) -> dict:
+    """Run ``module`` on ``nproc`` local ranks under torchrun; return the dict rank 0 reported.
+
+    ``env`` adds environment variables for the workers (``OMP_NUM_THREADS``
+    defaults to 1: one core per rank). Logs go to one folder per rank under
+    ``log_dir``; without ``log_dir`` they go to a temporary folder that is
+    deleted after a successful run and kept (and named in the error) after a
+    failure. ``echo`` prints rank 0's output after the run.
+    """
+    if not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc must be a positive int, got {nproc!r}")
+    if timeout <= 0:
+        raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+    if importlib.util.find_spec(module) is None:
+        raise ValueError(f"no module named {module!r}; workers live under course_lib/workers/ "
+                         "(pass e.g. 'course_lib.workers.selftest')")
+    keep = log_dir is not None
+    logs = Path(log_dir) if keep else Path(tempfile.mkdtemp(prefix=f"course-{module.rsplit('.', 1)[-1]}-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    result_file = logs / "result.json"
+    result_file.unlink(missing_ok=True)
+    tag = uuid.uuid4().hex
+    child_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {}),
+                 RESULT_ENV: str(result_file), TAG_ENV: tag,
+                 "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           f"--log-dir={logs}", "--redirects=3", "-m", module, *(args or [])]
+    launcher_log = logs / "torchrun.log"
+    with open(launcher_log, "wb") as out:
+        # A session of its own: Ctrl-C in the notebook does not reach the workers
+        # half-way; we stop them ourselves below.
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=child_env, cwd=str(ROOT), start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        except BaseException as exc:  # TimeoutExpired, or KeyboardInterrupt in a notebook
+            _stop(proc, tag)
+            if isinstance(exc, subprocess.TimeoutExpired):
+                raise TimeoutError(
+                    f"{module} on {nproc} ranks did not finish within {timeout:.0f} s; stopped torchrun "
+                    f"and its workers. Logs: {logs}\n{_tails(logs, launcher_log)}") from None
+            raise
+        finally:
+            _kill_tagged(tag)  # whatever a worker left behind (e.g. its own children)
+    if code != 0:
+        raise RuntimeError(_failure_message(module, nproc, code, logs, launcher_log))
+    if not result_file.exists():
+        raise RuntimeError(f"{module} finished but rank 0 never called launch.report(); logs: {logs}\n"
+                           f"{_tails(logs, launcher_log)}")
+    result = json.loads(result_file.read_text())
+    if echo:
+        print(_rank_log(logs, 0, "stdout").strip())
+    if not keep:
+        shutil.rmtree(logs, ignore_errors=True)
+    return result
+
+
+def _stop(proc: subprocess.Popen, tag: str) -> None:
+    """SIGTERM torchrun and every descendant, wait a little, then SIGKILL what is left."""
+    import psutil  # a dependency of ipykernel, so always installed with the course
+
+    try:
+        family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        family = []
+    for p in family:  # the workers are in sessions of their own: signal each one
+        try:
+            p.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(family, timeout=STOP_GRACE_S)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=STOP_GRACE_S)
+    try:
+        proc.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    _kill_tagged(tag)
+
+
+def _kill_tagged(tag: str) -> None:
+    """SIGKILL any process still carrying this launch's tag (workers re-parented after torchrun died)."""
+    import psutil
+
+    victims = []
+    for p in psutil.process_iter():
+        try:
+            if p.pid != os.getpid() and p.environ().get(TAG_ENV) == tag:
+                victims.append(p)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess, OSError):
+            continue  # other users' processes, or one that just exited
+    for p in victims:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(victims, timeout=STOP_GRACE_S)
+
+
+def _rank_log(logs: Path, rank: int, stream: str) -> str:
+    """The text of one rank's ``stdout``/``stderr`` log (torchrun writes ``<run>/attempt_<k>/<rank>/``)."""
+    files = sorted(logs.glob(f"*/attempt_*/{rank}/{stream}.log"))
+    return files[-1].read_text(errors="replace") if files else ""
+
+
+def _tail(text: str, n: int = TAIL_LINES) -> str:
+    return "\n".join(text.rstrip().splitlines()[-n:])
+
+
+def _tails(logs: Path, launcher_log: Path) -> str:
+    """The last lines of every rank's log (for a timeout, when no rank failed by itself)."""
+    parts = []
+    for rank_dir in sorted({p.name for p in logs.glob("*/attempt_*/*") if p.is_dir()}, key=int):
+        text = _rank_log(logs, int(rank_dir), "stdout") + _rank_log(logs, int(rank_dir), "stderr")
+        parts.append(f"--- rank {rank_dir} ---\n{_tail(text, 12)}")
+    if not parts:
+        parts.append(f"--- torchrun ---\n{_tail(launcher_log.read_text(errors='replace'))}")
+    return "\n".join(parts)
+
+
+def _failure_message(module: str, nproc: int, code: int, logs: Path, launcher_log: Path) -> str:
+    """Name the failing rank (torchrun's "Root Cause" summary) and show the tail of its log."""
+    summary = launcher_log.read_text(errors="replace")
+    root = summary.split("Root Cause", 1)[-1]
+    m = re.search(r"rank\s*:\s*(\d+)", root)
+    if m is None:
+        return (f"{module} on {nproc} ranks failed (torchrun exit code {code}); logs: {logs}\n"
+                f"{_tail(summary)}\n{_tails(logs, launcher_log)}")
+    rank = int(m.group(1))
+    text = _rank_log(logs, rank, "stderr").strip() or _rank_log(logs, rank, "stdout")
+    return (f"{module} failed on rank {rank} of {nproc} (torchrun exit code {code}); logs: {logs}\n"
+            f"last lines of rank {rank}'s log:\n{_tail(text)}")
+
+
+# --------------------------------------------------------------------------- worker side
+
+def pick_backend(local_world_size: int) -> str:
+    """NCCL when this node has a GPU per rank (and the profile is not a CPU one), else gloo on the CPU.
+
+    ``$COURSE_DIST_BACKEND`` overrides the choice. The ``smoke`` and ``cpu``
+    profiles stay on gloo even on a GPU machine, like ``env.pick_device``.
+    """
+    forced = os.environ.get("COURSE_DIST_BACKEND")
+    if forced:
+        if forced not in ("gloo", "nccl"):
+            raise ValueError(f"COURSE_DIST_BACKEND must be 'gloo' or 'nccl', got {forced!r}")
+        return forced
+    if os.environ.get("COURSE_PROFILE") in ("smoke", "cpu"):
+        return "gloo"
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size else "gloo"
+
+
+def init_distributed(timeout_s: float = 60.0) -> tuple[int, int, torch.device]:
+    """Join the process group torchrun set up; return ``(rank, world_size, device)``.
+
+    ``timeout_s`` bounds every collective: a rank waiting for a partner that
+    never comes (a mismatched collective) raises after it instead of hanging.
+    """
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise RuntimeError("init_distributed() runs inside a torchrun worker: start it with "
+                           "course_lib.distributed.launch.run(module, nproc) or `torchrun -m module`")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    backend = pick_backend(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", timeout=timedelta(seconds=timeout_s), device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    return rank, world, device
+
+
+def report(result: dict) -> None:
+    """Rank 0 writes ``result`` (JSON values) for ``run`` to return; other ranks do nothing.
+
+    Run by hand under torchrun (no ``$COURSE_RESULT_FILE``), rank 0 prints it instead.
+    """
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    text = json.dumps(result)  # fails here, on the worker, if a value is not JSON
+    path = os.environ.get(RESULT_ENV)
+    if not path:
+        print("RESULT " + text, flush=True)
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)  # atomic: the parent never reads half a file
+
+
+def shutdown() -> None:
+    """Leave the process group (no barrier, so a rank that finishes early does not wait on the others)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,226 @@
+"""Pipeline-parallel schedules as data, and a simulator that plays them (chapter 07).
+
+A model cut into ``p`` consecutive *stages* (one per device) trains on a batch
+split into ``m`` *micro-batches*. A schedule says, for each stage, the order in
+which it runs its ops: ``("F", i)`` the forward of micro-batch ``i``,
+``("B", i)`` its backward and, in the zero-bubble schedule, ``("W", i)`` the
+weight-gradient half of the backward split off from ``B``.
+
+- ``gpipe``: all forwards, then all backwards (Huang et al. 2019, "GPipe").
+- ``1f1b``: warm-up forwards, then one forward one backward, then the
+  remaining backwards (PipeDream-Flush, Narayanan et al. 2021). Same bubble
+  as GPipe, but stage ``s`` holds at most ``p - s`` micro-batches, not ``m``.
+- ``zb-h1``: 1F1B with each backward split into ``B`` (input gradient, which
+  the previous stage waits for) and ``W`` (weight gradient, which nobody waits
+  for); the cool-down runs its ``B`` first and fills its idle slots with the
+  postponed ``W`` (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", ZB-H1).
+
+``simulate`` plays a schedule with fixed op durations, respecting the data
+dependencies between stages, and reports the makespan, the bubble (idle share
+of all stages' time) and the micro-batches in flight on each stage. The real
+multi-process executor that runs the same schedules is in ``pipeline_exec``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+Op = tuple[str, int]                  # ("F" | "B" | "W", micro-batch index)
+Schedule = list[list[Op]]             # one op list per stage
+KINDS = ("gpipe", "1f1b", "zb-h1")
+
+
+def _check_sizes(num_stages: int, num_microbatches: int) -> None:
+    for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer; got {value!r}")
+
+
+def gpipe_order(num_stages: int, num_microbatches: int, stage: int) -> list[Op]:
+    """GPipe (all-forward-all-backward) order of one stage: F0..F(m-1), then B0..B(m-1)."""
+    _check_sizes(num_stages, num_microbatches)
+    m = num_microbatches
+    return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+
+
+def one_f_one_b_order(num_stages: int, num_microbatches: int, stage: int) -> list[Op]:
+    """1F1B order of one stage, in three phases (PipeDream-Flush, Narayanan et al. 2021).
+
+    Stage ``s`` first runs ``min(p - s - 1, m)`` warm-up forwards: just enough
+    that its first backward arrives when the pipe is full. Then it alternates
+    one forward and one backward, and finishes with the outstanding backwards.
+    Each backward frees a micro-batch's activations, so at most ``p - s`` are
+    alive at once.
+    """
+    _check_sizes(num_stages, num_microbatches)
+    if not 0 <= stage < num_stages:
+        raise ValueError(f"stage must be in [0, {num_stages}); got {stage}")
+    p, m = num_stages, num_microbatches
+    warmup = min(p - stage - 1, m)
+    order: list[Op] = [("F", i) for i in range(warmup)]         # warm-up: fill the pipe
+    for j in range(m - warmup):                                  # steady: one forward, one backward
+        order += [("F", warmup + j), ("B", j)]
+    order += [("B", j) for j in range(m - warmup, m)]            # cool-down: drain the pipe
+    return order
+
+
+def zero_bubble_h1_order(num_stages: int, num_microbatches: int, stage: int) -> list[Op]:
+    """ZB-H1 order of one stage (Qi et al. 2024): 1F1B with the backward split into ``B`` and ``W``.
+
+    ``B`` (the input gradient) is what the stage before waits for, so it runs
+    as in 1F1B; ``W`` (the weight gradient) waits for nobody. Stage ``s`` runs
+    the ``W`` of its ``k``-th backward only after its ``(k + s)``-th ``B``: the
+    later the stage, the more ``W`` it keeps in reserve to fill the cool-down,
+    where the other stages would idle. Every stage then holds ``p`` micro-batches,
+    the most that the first stage holds in 1F1B, and with
+    ``t_F = t_B = t_W`` the idle time falls to a third of 1F1B's.
+    """
+    base = one_f_one_b_order(num_stages, num_microbatches, stage)
+    lag = stage                                        # W delay found by the paper for equal op times
+    order: list[Op] = []
+    backwards: list[int] = []
+    for op, i in base:
+        order.append((op, i))
+        if op == "B":
+            backwards.append(i)
+            if len(backwards) > lag:
+                order.append(("W", backwards[len(backwards) - 1 - lag]))
+    order += [("W", j) for j in backwards[max(0, len(backwards) - lag):]]   # flush the reserve
+    return order
+
+
+_ORDERS = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order, "zb-h1": zero_bubble_h1_order}
+
+
+def make_schedule(kind: str, num_stages: int, num_microbatches: int) -> Schedule:
+    """The per-stage op lists of a schedule: ``kind`` is ``"gpipe"``, ``"1f1b"`` or ``"zb-h1"``."""
+    if kind not in _ORDERS:
+        raise ValueError(f"unknown schedule kind {kind!r}; choose one of {', '.join(KINDS)}")
+    _check_sizes(num_stages, num_microbatches)
+    return [_ORDERS[kind](num_stages, num_microbatches, s) for s in range(num_stages)]
+
+
+def bubble_formula(num_stages: int, num_microbatches: int) -> float:
+    """The idle share of a GPipe or 1F1B pipeline with uniform stages: (p - 1) / (m + p - 1)."""
+    _check_sizes(num_stages, num_microbatches)
+    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+
+
+def check_schedule(schedule: Schedule) -> tuple[int, int, bool]:
+    """Check that every stage runs every op exactly once; return ``(p, m, has_w)``.
+
+    Raises ``ValueError`` that names the stage and what is missing or repeated.
+    """
+    if not schedule or not all(isinstance(order, (list, tuple)) for order in schedule):
+        raise ValueError("a schedule is a non-empty list with one list of (op, micro-batch) pairs per stage")
+    has_w = any(op == "W" for order in schedule for op, _ in order)
+    m = 1 + max((i for order in schedule for _, i in order), default=-1)
+    ops = ("F", "B", "W") if has_w else ("F", "B")
+    expected = sorted((op, i) for op in ops for i in range(m))
+    for s, order in enumerate(schedule):
+        bad = [o for o in order if len(o) != 2 or o[0] not in ops or not isinstance(o[1], int) or o[1] < 0]
+        if bad:
+            raise ValueError(f"stage {s}: ops must be (op, micro-batch) with op in {ops}; got {bad[:3]}")
+        if sorted(order) != expected:
+            missing = sorted(set(expected) - set(order))
+            repeated = sorted({o for o in order if order.count(o) > 1})
+            raise ValueError(f"stage {s} must run each of {ops} once for micro-batches 0..{m - 1}; "
+                             f"missing {missing[:4]}, repeated {repeated[:4]}")
+    return len(schedule), m, has_w
+
+
+def inflight_counts(order: Sequence[Op]) -> list[int]:
+    """Micro-batches whose activations one stage holds after each op of its order.
+
+    A forward stores a micro-batch's activations; its backward frees them (its
+    ``W`` when the backward is split, since the weight gradient still needs them).
+    """
+    release = "W" if any(op == "W" for op, _ in order) else "B"
+    counts, alive = [], 0
+    for op, _ in order:
+        alive += 1 if op == "F" else (-1 if op == release else 0)
+        counts.append(alive)
+    return counts
+
+
+@dataclass
+class OpTiming:
+    """When one op ran on one stage (for Gantt charts)."""
+
+    stage: int
+    op: str
+    microbatch: int
+    start: float
+    end: float
+
+
+@dataclass
+class SimResult:
+    """What ``simulate`` measured: time, idle share and memory of one schedule."""
+
+    num_stages: int
+    num_microbatches: int
+    makespan: float
+    bubble_fraction: float            # idle time of all stages / (p * makespan)
+    peak_inflight: list[int]          # most micro-batches alive at once, per stage
+    busy: list[float]                 # time each stage spent computing
+    timings: list[OpTiming] = field(repr=False, default_factory=list)
+
+
+def simulate(schedule: Schedule, t_forward: float = 1.0, t_backward: float = 2.0,
+             t_weight: float | None = None, t_comm: float = 0.0) -> SimResult:
+    """Play ``schedule`` with fixed op times and return makespan, bubble and in-flight counts.
+
+    Every op starts as soon as its stage is free and its inputs exist:
+    ``F(s, i)`` needs ``F(s-1, i)``; ``B(s, i)`` needs ``B(s+1, i)`` and
+    ``F(s, i)``; ``W(s, i)`` needs ``B(s, i)``. A message between stages takes
+    ``t_comm``. The default ``t_backward = 2 t_forward`` is the usual estimate
+    (a backward computes two matmuls per forward matmul). When the schedule
+    splits the backward, ``B`` takes ``t_backward - t_weight`` and ``W`` takes
+    ``t_weight``, by default half each: for ``y = x A`` the input gradient
+    ``dy A^T`` and the weight gradient ``x^T dy`` cost the same FLOPs.
+    """
+    p, m, has_w = check_schedule(schedule)
+    if min(t_forward, t_backward, t_comm) < 0 or t_forward + t_backward <= 0:
+        raise ValueError("op times must be non-negative and t_forward + t_backward positive")
+    t_w = (t_backward / 2 if t_weight is None else t_weight) if has_w else 0.0
+    if not 0 <= t_w <= t_backward:
+        raise ValueError(f"t_weight must be within [0, t_backward={t_backward}]; got {t_weight}")
+    duration = {"F": t_forward, "B": t_backward - t_w, "W": t_w}
+    end: dict[tuple[str, int, int], float] = {}     # (op, stage, micro-batch) -> finish time
+    clock, nxt, timings = [0.0] * p, [0] * p, []
+
+    def ready_at(op: str, s: int, i: int) -> float | None:
+        """When the inputs of ``op`` on stage ``s`` exist; ``None`` if not yet played."""
+        deps = {"F": [("F", s - 1, i, t_comm)] if s > 0 else [],
+                "B": [("F", s, i, 0.0)] + ([("B", s + 1, i, t_comm)] if s < p - 1 else []),
+                "W": [("B", s, i, 0.0)]}[op]
+        if any(d[:3] not in end for d in deps):
+            return None
+        return max([0.0] + [end[d[:3]] + d[3] for d in deps])
+
+    progress = True
+    while progress:                                  # each sweep plays every op whose inputs exist
+        progress = False
+        for s in range(p):
+            while nxt[s] < len(schedule[s]):
+                op, i = schedule[s][nxt[s]]
+                ready = ready_at(op, s, i)
+                if ready is None:
+                    break                            # wait for another stage
+                start = max(clock[s], ready)
+                clock[s] = end[(op, s, i)] = start + duration[op]
+                timings.append(OpTiming(s, op, i, start, clock[s]))
+                nxt[s] += 1
+                progress = True
+    stuck = [s for s in range(p) if nxt[s] < len(schedule[s])]
+    if stuck:
+        s = stuck[0]
+        raise ValueError(f"the schedule deadlocks: stage {s} waits forever at {schedule[s][nxt[s]]} "
+                         "(an op is ordered before an op it depends on)")
+    makespan = max(clock)
+    busy = [sum(duration[op] for op, _ in order) for order in schedule]
+    bubble = 1.0 - sum(busy) / (p * makespan)
+    peak = [max(inflight_counts(order)) for order in schedule]
+    return SimResult(p, m, makespan, bubble, peak, busy, sorted(timings, key=lambda t: (t.stage, t.start)))

@@ -1,0 +1,109 @@
+"""The ``course assign``, ``course grade`` and ``course check`` commands (called from ``course_lib.cli``).
+
+Each takes the parsed arguments and returns the exit status. ``grade`` exits
+0 whenever grading completed, whatever the score; a notebook that cannot be
+graded raises ``GradingError`` (a ``ValueError``), which the CLI prints and
+turns into exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from course_lib.grading.exercise import find_exercise, read_notebook
+from course_lib.grading.grade import GradeResult, grade_notebook
+
+STATUS_WORD = {"passed": "ok", "failed": "failed", "error": "error", "timeout": "timeout"}
+
+
+def _solutions(args: argparse.Namespace) -> Path | None:
+    return getattr(args, "solutions", None)  # None: $COURSE_SOLUTIONS, else solutions/
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def assign(args: argparse.Namespace) -> int:
+    """Regenerate ``exercises/`` from ``solutions/``; with ``--check``, only report what is stale."""
+    from course_lib.grading import assign as gen
+
+    if getattr(args, "check", False):
+        stale = gen.stale(_solutions(args))
+        if stale:
+            print("exercises/ is out of date; run `course assign` and commit the result:", file=sys.stderr)
+            for name in stale:
+                print(f"  {name}", file=sys.stderr)
+            return 1
+        print("exercises/ is up to date")
+        return 0
+    touched = gen.write_exercises(_solutions(args))
+    for path in touched:
+        print(f"{'wrote' if path.exists() else 'deleted'} {path}")
+    if not touched:
+        print("exercises/ was already up to date")
+    return 0
+
+
+def format_result(result: GradeResult) -> str:
+    """A plain-text score table for one notebook."""
+    width = max(len(q.name) for q in result.questions)
+    lines = [f"{result.notebook} (exercise {result.exercise})"]
+    for q in result.questions:
+        pts = f"{_num(q.score)}/{_num(q.max_score)}"
+        lines.append(f"  {q.name:<{width}}  {pts:>5}  {q.status:<7}  {q.message}".rstrip())
+    lines.append(f"score: {_num(result.score)}/{_num(result.max_score)}")
+    return "\n".join(lines)
+
+
+def grade(args: argparse.Namespace) -> int:
+    """Grade one notebook, or every notebook in a folder into a CSV."""
+    target = Path(args.notebook)
+    if target.is_dir():
+        return _grade_folder(target, args)
+    result = grade_notebook(target, timeout=args.timeout, solutions=_solutions(args))
+    print(json.dumps(result.as_dict(), indent=1) if args.json else format_result(result))
+    return 0
+
+
+def _grade_folder(folder: Path, args: argparse.Namespace) -> int:
+    from course_lib.grading.classroom import Submission, grade_folder, write_csv
+
+    def progress(sub: Submission) -> None:
+        what = f"{_num(sub.result.score)}/{_num(sub.result.max_score)}" if sub.result else f"not graded: {sub.problem}"
+        print(f"[course] {sub.path.relative_to(folder)}: {what}", file=sys.stderr, flush=True)
+
+    subs = grade_folder(folder, timeout=args.timeout, solutions=_solutions(args), progress=progress)
+    out = write_csv(subs, folder, Path(args.csv) if getattr(args, "csv", None) else folder / "grades.csv")
+    if args.json:
+        print(json.dumps([s.result.as_dict() if s.result else {"notebook": str(s.path), "error": s.problem}
+                          for s in subs], indent=1))
+    failed = [s for s in subs if s.result is None]
+    print(f"[course] {len(subs) - len(failed)} of {len(subs)} notebooks graded; grades in {out}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def check(args: argparse.Namespace) -> int:
+    """Run a learner's notebook against the visible tests and explain each result, with hints."""
+    path = Path(args.notebook)
+    ex = find_exercise(read_notebook(path), path, _solutions(args))
+    print(f"Checking {path} against the visible tests of exercise {ex.name} ...", flush=True)
+    result = grade_notebook(path, timeout=args.timeout, solutions=_solutions(args), hidden=False)
+    print()
+    for q in result.questions:
+        hint = ex.question(q.name).hint
+        word = "to do" if q.message.startswith("not implemented") else STATUS_WORD[q.status]
+        head = f"  [{word}] {q.name} ({_num(q.max_score)} points)"
+        print(head if q.status == "passed" else f"{head}: {q.message}")
+        if q.status != "passed" and hint and hint not in q.message:
+            print(f"      hint: {hint}")
+    passed = sum(q.status == "passed" for q in result.questions)
+    print(f"\n{passed} of {len(result.questions)} questions pass their visible tests.")
+    if passed == len(result.questions):
+        print("Well done. The grader also runs hidden tests: edge cases your code should handle too.")
+    else:
+        print("Fix the first one that is not ok, rerun its cells, then run `course check` again.")
+    return 0 if passed == len(result.questions) else 1

@@ -1,0 +1,171 @@
+"""Run a notebook's cells in a separate kernel, one at a time, with time limits; never hang.
+
+Learner code never runs in the grader's process: nbclient starts a fresh
+IPython kernel (its own process group, killed at the end). Each code cell gets
+``timeout`` seconds; the whole notebook gets ``total_timeout``. What happened
+to each cell is returned, not raised:
+
+- ``ok`` / ``error`` (with the exception's name and message) from the kernel's reply;
+- ``timeout``: the cell ran past its limit. The kernel is interrupted; when it
+  answers again the next cells run on, otherwise it is killed;
+- ``dead``: the kernel died while running the cell (``os._exit``, a crash, out of memory);
+- ``not_run``: an earlier cell killed the kernel, or the overall limit was spent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from queue import Empty
+
+from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
+from jupyter_client.manager import AsyncKernelManager
+from nbclient import NotebookClient
+from nbclient.exceptions import CellTimeoutError, DeadKernelError
+from nbclient.util import ensure_async
+from nbformat import NotebookNode
+from traitlets import default
+
+from course_lib.grading.exercise import GradingError
+
+STARTUP_TIMEOUT = 60     # seconds for a kernel to start on a busy laptop
+RECOVER_TIMEOUT = 10     # seconds an interrupted kernel gets to answer again before it is killed
+GRACE = 15               # slack above nbclient's own timeout before our hard guard cuts in
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@dataclass
+class CellRun:
+    """What happened to one cell."""
+
+    status: str = "skipped"   # ok, error, timeout, dead, not_run, skipped (markdown or empty)
+    ename: str = ""
+    evalue: str = ""
+    traceback: str = ""
+    seconds: float = 0.0
+
+
+class _ThisPythonSpecs(KernelSpecManager):
+    # Always this interpreter's ipykernel: a user-wide "python3" kernel could be
+    # another Python without torch or course_lib.
+    def get_kernel_spec(self, kernel_name: str) -> KernelSpec:
+        return KernelSpec(argv=[sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                          display_name="Python 3 (course grader)", language="python")
+
+
+class _GraderKernelManager(AsyncKernelManager):
+    @default("kernel_spec_manager")
+    def _kernel_spec_manager_default(self) -> KernelSpecManager:
+        return _ThisPythonSpecs()
+
+
+def _quiet_logger() -> logging.Logger:
+    # nbclient logs every timeout and dead kernel as an error; the grade report says it better.
+    log = logging.getLogger("course_lib.grading.kernel")
+    log.setLevel(logging.CRITICAL)
+    log.propagate = False
+    return log
+
+
+async def _answers(client: NotebookClient, seconds: float) -> bool:
+    """Whether the kernel runs a trivial command within ``seconds`` (after an interrupt)."""
+    msg_id = await ensure_async(client.kc.execute("pass", store_history=False))
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if not await ensure_async(client.kc.is_alive()):
+            return False
+        try:
+            wait = min(1.0, max(0.05, end - time.monotonic()))
+            msg = await ensure_async(client.kc.shell_channel.get_msg(timeout=wait))
+        except Empty:
+            continue
+        if msg["parent_header"].get("msg_id") == msg_id:
+            return True
+    return False
+
+
+async def _run_cells(nb: NotebookNode, cwd: Path, timeout: int, total_timeout: float,
+                     runs: list[CellRun]) -> None:
+    replies: dict[int, dict] = {}
+
+    def on_executed(cell: NotebookNode, cell_index: int, execute_reply: dict) -> None:
+        replies[cell_index] = execute_reply.get("content", {}) if execute_reply else {}
+
+    client = NotebookClient(
+        nb, timeout=timeout, allow_errors=True, interrupt_on_timeout=False, kernel_name="python3",
+        kernel_manager_class=_GraderKernelManager, startup_timeout=STARTUP_TIMEOUT,
+        shutdown_kernel="immediate", record_timing=False, log=_quiet_logger(), on_cell_executed=on_executed,
+    )
+    env = {**os.environ, "COURSE_PROGRESS": "0", "PYDEVD_DISABLE_FILE_VALIDATION": "1", "MPLBACKEND": "Agg"}
+    deadline = time.monotonic() + total_timeout
+    try:
+        setup = client.async_setup_kernel(cleanup_kc=True, cwd=str(cwd), env=env,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        await asyncio.wait_for(setup.__aenter__(), STARTUP_TIMEOUT + GRACE)
+    except Exception as exc:
+        if client.km is not None:  # a half-started kernel must not outlive us
+            try:
+                await asyncio.wait_for(client.km.shutdown_kernel(now=True), GRACE)
+            except Exception:
+                pass
+        raise GradingError(f"could not start a Python kernel to grade with ({type(exc).__name__}: {exc}); "
+                           "check that ipykernel is installed in this environment (course doctor)") from None
+    stopped = ""  # why the cells after this point do not run
+    try:
+        for i, cell in enumerate(nb.cells):
+            if cell.cell_type != "code" or not cell.source.strip():
+                continue
+            run = runs[i]
+            remaining = deadline - time.monotonic()
+            if not stopped and remaining <= 0:
+                stopped = f"grading ran past its overall limit of {total_timeout:.0f} s"
+            if stopped:
+                run.status, run.evalue = "not_run", stopped
+                continue
+            client.timeout = max(1, math.ceil(min(timeout, remaining)))
+            start = time.monotonic()
+            try:
+                await asyncio.wait_for(client.async_execute_cell(cell, i), client.timeout + GRACE)
+                reply = replies.get(i, {})
+                if reply.get("status") == "error":
+                    run.status, run.ename, run.evalue = "error", reply.get("ename", ""), reply.get("evalue", "")
+                    run.traceback = _ANSI.sub("", "\n".join(reply.get("traceback", [])))
+                else:
+                    run.status = "ok"
+            except (CellTimeoutError, asyncio.TimeoutError):
+                run.status, run.evalue = "timeout", f"ran past the {client.timeout} s limit"
+                await ensure_async(client.km.interrupt_kernel())
+                if not await _answers(client, RECOVER_TIMEOUT):
+                    stopped = f"the kernel stopped answering after cell {i + 1} timed out"
+                    await ensure_async(client.km.shutdown_kernel(now=True))
+            except DeadKernelError:
+                run.status, run.evalue = "dead", "the kernel died while running this cell"
+                stopped = f"the kernel died earlier, in cell {i + 1}"
+            run.seconds = time.monotonic() - start
+    finally:
+        try:
+            await asyncio.wait_for(setup.__aexit__(None, None, None), GRACE)
+        except Exception:  # the kernel may be gone already; nothing left to clean
+            pass
+
+
+def run_notebook(nb: NotebookNode, cwd: Path, timeout: int = 60, total_timeout: float | None = None) -> list[CellRun]:
+    """Execute ``nb`` (changing its outputs) in a fresh kernel; one ``CellRun`` per cell.
+
+    ``timeout``: seconds per cell. ``total_timeout``: seconds for all cells
+    (default: ten cells' worth, at least two minutes), so grading always ends.
+    """
+    if timeout < 1:
+        raise GradingError(f"the time limit per cell must be at least 1 second, got {timeout}")
+    total = total_timeout if total_timeout is not None else max(120, 10 * timeout)
+    runs = [CellRun() for _ in nb.cells]
+    asyncio.run(_run_cells(nb, Path(cwd), timeout, total, runs))
+    return runs

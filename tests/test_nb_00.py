@@ -1,0 +1,11 @@
+from conftest import notebook_claims
+
+
+def test_start_here_claims():
+    c = notebook_claims("00")
+    assert c["ch00/image_shape"] == [3, 32, 32]
+    assert c["ch00/num_classes"] == 10
+    assert c["ch00/same_seed_same_data"] is True
+    assert c["ch00/other_seed_differs"] is True
+    assert c["ch00/min_class_share"] > 0.07  # ten balanced classes: 0.1 each, give or take sampling noise
+    assert c["ch00/train_images_per_s"] > 0
