@@ -4,6 +4,7 @@
     course doctor                                         versions, device, datasets, what to fix
     course download cifar10                               fetch CIFAR-10 into data/
     course bench [--json]                                 speed and memory ratios (benchmarks/)
+    course site [--build DIR]                             static HTML of the executed course
     course assign                                         regenerate exercises/ from solutions/
     course grade NOTEBOOK|FOLDER [--timeout S] [--json]   grade a learner's notebook (or a class)
     course check NOTEBOOK                                 run the visible tests, with hints
@@ -72,6 +73,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_site(args: argparse.Namespace) -> int:
+    from course_lib import site
+
+    index = site.build_site(args.build)
+    print(f"[course] site: {index}")
+    return 0
+
+
 def _cmd_grading(args: argparse.Namespace) -> int:
     from course_lib.grading import commands
 
@@ -95,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--only", nargs="*", help="run only these benchmark modules")
     p.set_defaults(func=_cmd_bench)
+    p = sub.add_parser("site", help="build a static HTML version of the executed course under build/site/")
+    p.add_argument("--build", default="build", help="the folder `course run` wrote (default: build)")
+    p.set_defaults(func=_cmd_site)
     p = sub.add_parser("assign", help="regenerate exercises/ from solutions/")
     p.add_argument("--check", action="store_true", help="fail if exercises/ is out of date, write nothing")
     p.set_defaults(func=_cmd_grading)
