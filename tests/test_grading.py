@@ -20,8 +20,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from course_lib import cli
 from course_lib.grading import assign, commands
 from course_lib.grading.exercise import GradingError, grade_id, is_test_cell, load_exercise, parse_exercise
+from course_lib.grading.execute import RECOVER_TIMEOUT
 from course_lib.grading.grade import STATUSES, grade_notebook
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,9 +77,9 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
     src, out = root / "solutions", root / "exercises"
     src.mkdir()
-    nbformat.write(_notebook([_cell("import os"), _cell(ADD_ONE, "q1_add_one"), _cell(ADD_ONE_TEST, "q1_add_one_test", 1),
-                              _cell(DOUBLE, "q2_double"), _cell(DOUBLE_TEST, "q2_double_test", 2)]),
-                   src / "90_tiny.ipynb")
+    cells = [_cell("import os"), _cell(ADD_ONE, "q1_add_one"), _cell(ADD_ONE_TEST, "q1_add_one_test", 1),
+             _cell(DOUBLE, "q2_double"), _cell(DOUBLE_TEST, "q2_double_test", 2)]
+    nbformat.write(_notebook(cells), src / "90_tiny.ipynb")
     assign.write_exercises(src, out)
     return {"solutions": src, "solution": src / "90_tiny.ipynb", "exercise": out / "90_tiny.ipynb", "root": root}
 
@@ -242,6 +244,17 @@ def test_endless_loop_times_out_and_grading_goes_on(tiny):
     assert elapsed < SHORT + 45, f"grading took {elapsed:.0f} s with a {SHORT} s limit"
 
 
+def test_hang_that_ignores_interrupts_still_ends(tiny):
+    deaf = "    import signal\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n    while True:\n        pass"
+    start = time.monotonic()
+    result = grade_notebook(_learner(tiny, "deaf", lambda nb: _solve(nb, q1=deaf)), timeout=2,
+                            solutions=tiny["solutions"])
+    q = _by_name(result)
+    assert q["q1_add_one_test"].status == "timeout"
+    assert q["q2_double_test"].status == "error" and "stopped answering" in q["q2_double_test"].message
+    assert time.monotonic() - start < 2 + RECOVER_TIMEOUT + 45
+
+
 def test_dead_kernel_fails_everything_after_it(tiny):
     def edit(nb):
         _solve(nb)
@@ -283,21 +296,39 @@ def test_grade_json_schema_and_exit_status(tiny):
     ('{"cells": [', "not valid JSON"),
     ('{"hello": "world"}', "not a Jupyter notebook"),
 ])
-def test_unreadable_notebook_is_a_clear_error(tmp_path, content, expected):
+def test_unreadable_notebook_is_a_clear_error(tmp_path, capsys, content, expected):
     path = tmp_path / "01_memory_anatomy.ipynb"
     path.write_text(content)
+    assert cli.main(["grade", str(path), "--json"]) != 0
+    out = capsys.readouterr()
+    assert expected in out.err and str(path) in out.err and not out.out
+
+
+def test_unreadable_notebook_exits_non_zero(tmp_path):
+    path = tmp_path / "broken.ipynb"
+    path.write_text('{"cells": [')
     run = _course("grade", str(path))
-    assert run.returncode != 0
-    assert expected in run.stderr and str(path) in run.stderr
+    assert run.returncode != 0 and "not valid JSON" in run.stderr
 
 
-def test_foreign_notebook_is_a_clear_error(tmp_path):
+def test_foreign_notebook_is_a_clear_error(tmp_path, capsys):
     path = tmp_path / "my_experiments.ipynb"
     nbformat.write(_notebook([_cell("print('hello')")]), path)
     with pytest.raises(GradingError, match="not an exercise of this course"):
         grade_notebook(path)
-    run = _course("grade", str(path), "--json")
-    assert run.returncode != 0 and "not an exercise of this course" in run.stderr and not run.stdout
+    assert cli.main(["grade", str(path)]) != 0
+    assert "not an exercise of this course" in capsys.readouterr().err
+
+
+def test_overall_time_limit_ends_grading(tiny):
+    slow = "    import time\n    time.sleep(1.5)\n    return x + 1"  # the q1 test calls it twice: 3 s
+    start = time.monotonic()
+    result = grade_notebook(_learner(tiny, "slow", lambda nb: _solve(nb, q1=slow)), timeout=SHORT,
+                            solutions=tiny["solutions"], total_timeout=2)
+    assert time.monotonic() - start < 2 + 40
+    q = _by_name(result)
+    assert q["q1_add_one_test"].status == "timeout"
+    assert q["q2_double_test"].status == "timeout" and "overall limit" in q["q2_double_test"].message
 
 
 def test_folder_of_submissions_into_csv(tiny, tmp_path):

@@ -12,8 +12,8 @@ weight-gradient half of the backward split off from ``B``.
   as GPipe, but stage ``s`` holds at most ``p - s`` micro-batches, not ``m``.
 - ``zb-h1``: 1F1B with each backward split into ``B`` (input gradient, which
   the previous stage waits for) and ``W`` (weight gradient, which nobody waits
-  for); the cool-down runs its ``B`` first and fills its idle slots with the
-  postponed ``W`` (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", ZB-H1).
+  for); postponed ``W`` ops fill the cool-down where 1F1B idles (Qi et al.
+  2024, "Zero Bubble Pipeline Parallelism", schedule ZB-H1).
 
 ``simulate`` plays a schedule with fixed op durations, respecting the data
 dependencies between stages, and reports the makespan, the bubble (idle share
@@ -72,12 +72,14 @@ def zero_bubble_h1_order(num_stages: int, num_microbatches: int, stage: int) -> 
     as in 1F1B; ``W`` (the weight gradient) waits for nobody. Stage ``s`` runs
     the ``W`` of its ``k``-th backward only after its ``(k + s)``-th ``B``: the
     later the stage, the more ``W`` it keeps in reserve to fill the cool-down,
-    where the other stages would idle. Every stage then holds ``p`` micro-batches,
+    where the other stages would idle. Every stage then holds ``min(p, m)`` micro-batches,
     the most that the first stage holds in 1F1B, and with
     ``t_F = t_B = t_W`` the idle time falls to a third of 1F1B's.
     """
     base = one_f_one_b_order(num_stages, num_microbatches, stage)
-    lag = stage                                        # W delay found by the paper for equal op times
+    # Postponing by s backwards fills the cool-down exactly when t_F = t_B = t_W
+    # (the simulator checks: idle time (p - 1) t_F per stage, for m >= p).
+    lag = stage
     order: list[Op] = []
     backwards: list[int] = []
     for op, i in base:
@@ -114,14 +116,18 @@ def check_schedule(schedule: Schedule) -> tuple[int, int, bool]:
     """
     if not schedule or not all(isinstance(order, (list, tuple)) for order in schedule):
         raise ValueError("a schedule is a non-empty list with one list of (op, micro-batch) pairs per stage")
+    for s, order in enumerate(schedule):
+        bad = [o for o in order if not isinstance(o, (list, tuple)) or len(o) != 2 or o[0] not in ("F", "B", "W")
+               or not isinstance(o[1], int) or o[1] < 0]
+        if bad:
+            raise ValueError(f"stage {s}: ops must be (op, micro-batch) pairs with op in ('F', 'B', 'W') and "
+                             f"micro-batch >= 0; got {bad[:3]}")
     has_w = any(op == "W" for order in schedule for op, _ in order)
     m = 1 + max((i for order in schedule for _, i in order), default=-1)
     ops = ("F", "B", "W") if has_w else ("F", "B")
     expected = sorted((op, i) for op in ops for i in range(m))
     for s, order in enumerate(schedule):
-        bad = [o for o in order if len(o) != 2 or o[0] not in ops or not isinstance(o[1], int) or o[1] < 0]
-        if bad:
-            raise ValueError(f"stage {s}: ops must be (op, micro-batch) with op in {ops}; got {bad[:3]}")
+        order = [tuple(o) for o in order]           # JSON gives lists; compare as tuples
         if sorted(order) != expected:
             missing = sorted(set(expected) - set(order))
             repeated = sorted({o for o in order if order.count(o) > 1})

@@ -114,11 +114,12 @@ def run_stage(stage: nn.Module, order: Sequence[tuple[str, int]], rank: int, wor
     stash: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # mb -> (input, output or loss, bytes)
     run = StageRun(rank, time.perf_counter(), 0.0)
     alive_bytes = 0
+    on_gpu = torch.device(device).type == "cuda"
 
     def finish(op: str, i: int, began: float) -> None:
         """Pad the op to its fixed duration (if any) and record it as busy time; then its result may leave."""
-        if device != "cpu" and torch.cuda.is_available():
-            torch.cuda.synchronize()                      # GPU work is asynchronous: wait for it
+        if on_gpu:
+            torch.cuda.synchronize(device)                # GPU work is asynchronous: wait for it
         if op_seconds is not None:
             remaining = began + op_seconds[op] - time.perf_counter()
             if remaining > 0:
@@ -178,8 +179,9 @@ def run_stage(stage: nn.Module, order: Sequence[tuple[str, int]], rank: int, wor
 def measured_bubble(runs: Sequence[StageRun]) -> dict[str, float]:
     """Makespan and idle share of a real run, from every rank's busy intervals.
 
-    All ranks run on one machine, where ``time.perf_counter`` reads one
-    system-wide monotonic clock, so their times are comparable.
+    All ranks must run on one machine, where ``time.perf_counter`` reads one
+    system-wide monotonic clock, so their times are comparable (across
+    machines the clocks differ; each rank would have to measure its own idle share).
     """
     start = min(r.start for r in runs)
     makespan = max(r.end for r in runs) - start

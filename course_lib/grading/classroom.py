@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from course_lib.grading.exercise import GradingError
-from course_lib.grading.grade import GradeResult, grade_notebook
+from course_lib.grading.grade import GradeResult, grade_notebook, points_text
 
 
 @dataclass
@@ -71,10 +71,8 @@ def write_csv(subs: list[Submission], folder: Path, out: Path) -> Path:
                 continue
             by_name = {q.name: q for q in sub.result.questions}
             problems = "; ".join(f"{q.name}: {q.status}" for q in sub.result.questions if q.status != "passed")
-            w.writerow([name, sub.result.exercise, _num(sub.result.score), _num(sub.result.max_score),
-                        *[_num(by_name[q].score) if q in by_name else "" for q in questions], problems])
+            scores = [points_text(by_name[q].score) if q in by_name else "" for q in questions]
+            w.writerow([name, sub.result.exercise, points_text(sub.result.score),
+                        points_text(sub.result.max_score), *scores, problems])
     return out
 
-
-def _num(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else f"{x:g}"

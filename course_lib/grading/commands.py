@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from course_lib.grading.exercise import find_exercise, read_notebook
-from course_lib.grading.grade import GradeResult, grade_notebook
+from course_lib.grading.grade import GradeResult, grade_notebook, points_text
 
 STATUS_WORD = {"passed": "ok", "failed": "failed", "error": "error", "timeout": "timeout"}
 
@@ -22,9 +22,6 @@ STATUS_WORD = {"passed": "ok", "failed": "failed", "error": "error", "timeout": 
 def _solutions(args: argparse.Namespace) -> Path | None:
     return getattr(args, "solutions", None)  # None: $COURSE_SOLUTIONS, else solutions/
 
-
-def _num(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
 
 def assign(args: argparse.Namespace) -> int:
@@ -53,9 +50,9 @@ def format_result(result: GradeResult) -> str:
     width = max(len(q.name) for q in result.questions)
     lines = [f"{result.notebook} (exercise {result.exercise})"]
     for q in result.questions:
-        pts = f"{_num(q.score)}/{_num(q.max_score)}"
+        pts = f"{points_text(q.score)}/{points_text(q.max_score)}"
         lines.append(f"  {q.name:<{width}}  {pts:>5}  {q.status:<7}  {q.message}".rstrip())
-    lines.append(f"score: {_num(result.score)}/{_num(result.max_score)}")
+    lines.append(f"score: {points_text(result.score)}/{points_text(result.max_score)}")
     return "\n".join(lines)
 
 
@@ -73,7 +70,10 @@ def _grade_folder(folder: Path, args: argparse.Namespace) -> int:
     from course_lib.grading.classroom import Submission, grade_folder, write_csv
 
     def progress(sub: Submission) -> None:
-        what = f"{_num(sub.result.score)}/{_num(sub.result.max_score)}" if sub.result else f"not graded: {sub.problem}"
+        if sub.result:
+            what = f"{points_text(sub.result.score)}/{points_text(sub.result.max_score)}"
+        else:
+            what = f"not graded: {sub.problem}"
         print(f"[course] {sub.path.relative_to(folder)}: {what}", file=sys.stderr, flush=True)
 
     subs = grade_folder(folder, timeout=args.timeout, solutions=_solutions(args), progress=progress)
@@ -96,9 +96,11 @@ def check(args: argparse.Namespace) -> int:
     for q in result.questions:
         hint = ex.question(q.name).hint
         word = "to do" if q.message.startswith("not implemented") else STATUS_WORD[q.status]
-        head = f"  [{word}] {q.name} ({_num(q.max_score)} points)"
+        head = f"  [{word}] {q.name} ({points_text(q.max_score)} points)"
         print(head if q.status == "passed" else f"{head}: {q.message}")
-        if q.status != "passed" and hint and hint not in q.message:
+        # a hint helps with the function, not with another cell that raised or a dead kernel
+        helps = q.status in ("failed", "timeout") or q.message.startswith("the test raised")
+        if helps and hint and hint not in q.message:
             print(f"      hint: {hint}")
     passed = sum(q.status == "passed" for q in result.questions)
     print(f"\n{passed} of {len(result.questions)} questions pass their visible tests.")

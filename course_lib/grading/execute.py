@@ -51,6 +51,7 @@ class CellRun:
     evalue: str = ""
     traceback: str = ""
     seconds: float = 0.0
+    cause: int | None = None  # for not_run: the cell whose crash or hang stopped the run
 
 
 class _ThisPythonSpecs(KernelSpecManager):
@@ -92,6 +93,21 @@ async def _answers(client: NotebookClient, seconds: float) -> bool:
     return False
 
 
+async def _interrupt(client: NotebookClient) -> bool:
+    """Interrupt a cell that ran too long; kill the kernel unless it answers again. True if it lives on."""
+    try:
+        await ensure_async(client.km.interrupt_kernel())
+        if await _answers(client, RECOVER_TIMEOUT):
+            return True
+    except Exception:  # it died meanwhile, or the channel broke: same outcome
+        pass
+    try:
+        await asyncio.wait_for(ensure_async(client.km.shutdown_kernel(now=True)), GRACE)
+    except Exception:
+        pass
+    return False
+
+
 async def _run_cells(nb: NotebookNode, cwd: Path, timeout: int, total_timeout: float,
                      runs: list[CellRun]) -> None:
     replies: dict[int, dict] = {}
@@ -105,7 +121,6 @@ async def _run_cells(nb: NotebookNode, cwd: Path, timeout: int, total_timeout: f
         shutdown_kernel="immediate", record_timing=False, log=_quiet_logger(), on_cell_executed=on_executed,
     )
     env = {**os.environ, "COURSE_PROGRESS": "0", "PYDEVD_DISABLE_FILE_VALIDATION": "1", "MPLBACKEND": "Agg"}
-    deadline = time.monotonic() + total_timeout
     try:
         setup = client.async_setup_kernel(cleanup_kc=True, cwd=str(cwd), env=env,
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -118,7 +133,8 @@ async def _run_cells(nb: NotebookNode, cwd: Path, timeout: int, total_timeout: f
                 pass
         raise GradingError(f"could not start a Python kernel to grade with ({type(exc).__name__}: {exc}); "
                            "check that ipykernel is installed in this environment (course doctor)") from None
-    stopped = ""  # why the cells after this point do not run
+    deadline = time.monotonic() + total_timeout  # counted once the kernel is up: starting it has its own limit
+    stopped, cause = "", None  # why the cells after this point do not run, and which cell did it
     try:
         for i, cell in enumerate(nb.cells):
             if cell.cell_type != "code" or not cell.source.strip():
@@ -128,7 +144,7 @@ async def _run_cells(nb: NotebookNode, cwd: Path, timeout: int, total_timeout: f
             if not stopped and remaining <= 0:
                 stopped = f"grading ran past its overall limit of {total_timeout:.0f} s"
             if stopped:
-                run.status, run.evalue = "not_run", stopped
+                run.status, run.evalue, run.cause = "not_run", stopped, cause
                 continue
             client.timeout = max(1, math.ceil(min(timeout, remaining)))
             start = time.monotonic()
@@ -142,13 +158,14 @@ async def _run_cells(nb: NotebookNode, cwd: Path, timeout: int, total_timeout: f
                     run.status = "ok"
             except (CellTimeoutError, asyncio.TimeoutError):
                 run.status, run.evalue = "timeout", f"ran past the {client.timeout} s limit"
-                await ensure_async(client.km.interrupt_kernel())
-                if not await _answers(client, RECOVER_TIMEOUT):
-                    stopped = f"the kernel stopped answering after cell {i + 1} timed out"
-                    await ensure_async(client.km.shutdown_kernel(now=True))
+                if not await _interrupt(client):
+                    stopped, cause = "the kernel stopped answering after a timeout", i
             except DeadKernelError:
                 run.status, run.evalue = "dead", "the kernel died while running this cell"
-                stopped = f"the kernel died earlier, in cell {i + 1}"
+                stopped, cause = "the kernel died earlier", i
+            except Exception as exc:  # a broken connection to the kernel: stop rather than guess
+                run.status, run.evalue = "dead", f"the kernel failed ({type(exc).__name__}: {exc})"
+                stopped, cause = "the kernel failed earlier", i
             run.seconds = time.monotonic() - start
     finally:
         try:

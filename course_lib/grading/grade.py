@@ -68,6 +68,11 @@ class GradeResult:
                 "questions": [asdict(q) for q in self.questions]}
 
 
+def points_text(x: float) -> str:
+    """Points as people write them: ``3``, ``2.5``."""
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
 def build_run_notebook(learner: NotebookNode, ex: Exercise,
                        tests: dict[str, str]) -> tuple[NotebookNode, list[str], dict[str, int]]:
     """The notebook to execute, a label per cell for messages, and where each question's test sits."""
@@ -88,7 +93,7 @@ def build_run_notebook(learner: NotebookNode, ex: Exercise,
             if cell.cell_type == "code":
                 cell.outputs, cell.execution_count = [], None
         nb.cells.append(cell)
-        labels.append(f"cell {i + 1}")
+        labels.append(_label(i, cell))
     for q in ex.questions:
         if q.name not in test_at:
             at = _insert_position(nb, q, ex, test_at)
@@ -103,6 +108,12 @@ def build_run_notebook(learner: NotebookNode, ex: Exercise,
         if labels[at] != "the test cell":
             labels[at] = f"the test ({labels[at]})"
     return nb, labels, test_at
+
+
+def _label(index: int, cell: NotebookNode) -> str:
+    """How a message names a learner's cell: Jupyter shows no numbers, so quote its first line too."""
+    first = next((line.strip() for line in cell.source.splitlines() if line.strip()), "")
+    return f"cell {index + 1} ({first[:40] + '...' if len(first) > 40 else first!s})" if first else f"cell {index + 1}"
 
 
 def _test_cell(q: Question, source: str) -> NotebookNode:
@@ -148,7 +159,8 @@ def _judge(q: Question, cells: list[int], test: int, nb: NotebookNode, labels: l
     for i in cells:
         run, label = runs[i], labels[i]
         if run.status == "not_run":
-            return result("timeout" if "overall limit" in run.evalue else "error", f"not run: {run.evalue}")
+            where = f", in {labels[run.cause]}" if run.cause is not None else ""
+            return result("timeout" if "overall limit" in run.evalue else "error", f"not run: {run.evalue}{where}")
         if run.status == "timeout":
             what = "the test" if i == test else label
             return result("timeout", f"{what} {run.evalue} (an endless loop, or too slow?)")

@@ -141,6 +141,8 @@ def main() -> None:
     parser.add_argument("--t-backward-ms", type=float, default=40.0, help="pad each backward to this")
     parser.add_argument("--api", choices=["handmade", "torch", "both"], default="handmade",
                         help="the hand-written executor, torch.distributed.pipelining, or both")
+    parser.add_argument("--torch-microbatches", default="",
+                        help="micro-batch counts for torch.distributed.pipelining (default: --microbatches)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run each padded step this often and keep the fastest (least disturbed) one")
     parser.add_argument("--seed", type=int, default=0)
@@ -171,7 +173,7 @@ def main() -> None:
                     result["handmade"].append(best)
     if a.api in ("torch", "both"):
         for kind in kinds:
-            for m in _ints(a.microbatches):
+            for m in _ints(a.torch_microbatches or a.microbatches):
                 result["torch_api"].append(torch_api_step(a, kind, m, rank, world, device))
     launch.report(result)
     launch.shutdown()

@@ -1,0 +1,179 @@
+"""Pipeline schedules, the simulator, the Gantt chart, and one real multi-process run (chapter 07)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from course_lib import plots
+from course_lib.distributed.pipeline import (KINDS, OpTiming, bubble_formula, check_schedule, inflight_counts,
+                                             make_schedule, one_f_one_b_order, simulate)
+from course_lib.distributed.pipeline_exec import boundary_shapes, run_stage, split_sequential
+
+GRID = [(p, m) for p in (1, 2, 3, 4, 5, 8) for m in (1, 2, 3, 4, 7, 8, 16, 33)]
+
+
+# ----- schedules -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_stage_runs_every_op_once(kind):
+    for p, m in GRID:
+        schedule = make_schedule(kind, p, m)
+        assert len(schedule) == p
+        assert check_schedule(schedule) == (p, m, kind == "zb-h1")
+
+
+def test_gpipe_is_all_forward_then_all_backward():
+    assert make_schedule("gpipe", 2, 3) == [[("F", 0), ("F", 1), ("F", 2), ("B", 0), ("B", 1), ("B", 2)]] * 2
+
+
+def test_1f1b_phases():
+    # stage 0 of 4: three warm-up forwards, then F/B pairs, then three cool-down backwards
+    assert one_f_one_b_order(4, 6, 0) == [("F", 0), ("F", 1), ("F", 2), ("F", 3), ("B", 0), ("F", 4), ("B", 1),
+                                          ("F", 5), ("B", 2), ("B", 3), ("B", 4), ("B", 5)]
+    # the last stage alternates from the start
+    assert one_f_one_b_order(4, 3, 3) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]
+    # fewer micro-batches than stages: all forwards, then all backwards
+    assert one_f_one_b_order(4, 2, 0) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+
+
+@pytest.mark.parametrize("p, m", [(0, 4), (4, 0), (-1, 2), (2.0, 4), (2, 1.5), (True, 3)])
+def test_invalid_sizes_are_value_errors(p, m):
+    with pytest.raises(ValueError, match="positive integer"):
+        make_schedule("1f1b", p, m)
+
+
+def test_unknown_kind_and_bad_stage():
+    with pytest.raises(ValueError, match="unknown schedule kind"):
+        make_schedule("pipedream", 2, 2)
+    with pytest.raises(ValueError, match="stage must be"):
+        one_f_one_b_order(2, 4, 2)
+
+
+# ----- simulator -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("t_f, t_b", [(1.0, 2.0), (1.0, 1.0), (0.25, 1.5)])
+def test_simulated_bubble_is_the_formula(kind, t_f, t_b):
+    for p, m in GRID:
+        sim = simulate(make_schedule(kind, p, m), t_f, t_b)
+        assert sim.bubble_fraction == pytest.approx(bubble_formula(p, m), abs=1e-12), (kind, p, m)
+        assert sim.makespan == pytest.approx((m + p - 1) * (t_f + t_b), rel=1e-12)
+        assert sim.busy == pytest.approx([m * (t_f + t_b)] * p)
+
+
+def test_peak_inflight():
+    for p, m in GRID:
+        assert simulate(make_schedule("gpipe", p, m)).peak_inflight == [m] * p
+        assert simulate(make_schedule("1f1b", p, m)).peak_inflight == [min(p - s, m) for s in range(p)]
+    assert inflight_counts(one_f_one_b_order(3, 4, 0)) == [1, 2, 3, 2, 3, 2, 1, 0]
+
+
+def test_zero_bubble_h1():
+    """Qi et al. 2024: with t_F = t_B = t_W the idle time is (p-1) t_F, a third of 1F1B's; p in flight per stage."""
+    for p, m in GRID:
+        if m < p:
+            continue
+        zb = simulate(make_schedule("zb-h1", p, m), t_forward=1.0, t_backward=2.0)  # B and W take 1.0 each
+        assert zb.makespan == pytest.approx(3 * m + p - 1)
+        assert zb.bubble_fraction == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-12)
+        assert zb.peak_inflight == [p] * p
+        assert zb.bubble_fraction <= bubble_formula(p, m)
+
+
+def test_op_timings_respect_dependencies():
+    sim = simulate(make_schedule("1f1b", 3, 5), 1.0, 2.0)
+    end = {(t.op, t.stage, t.microbatch): t.end for t in sim.timings}
+    for t in sim.timings:
+        assert t.end - t.start == pytest.approx(1.0 if t.op == "F" else 2.0)
+        if t.op == "F" and t.stage > 0:
+            assert t.start >= end[("F", t.stage - 1, t.microbatch)]
+        if t.op == "B":
+            assert t.start >= end[("F", t.stage, t.microbatch)]
+            if t.stage < 2:
+                assert t.start >= end[("B", t.stage + 1, t.microbatch)]
+    for s in range(3):  # a stage never runs two ops at once
+        ops = sorted((t.start, t.end) for t in sim.timings if t.stage == s)
+        assert all(a[1] <= b[0] + 1e-12 for a, b in zip(ops, ops[1:]))
+
+
+def test_message_time_lengthens_the_critical_path():
+    # GPipe's critical path crosses p-1 links forward and p-1 back
+    p, m, c = 4, 6, 0.5
+    sim = simulate(make_schedule("gpipe", p, m), 1.0, 2.0, t_comm=c)
+    assert sim.makespan == pytest.approx((m + p - 1) * 3.0 + 2 * (p - 1) * c)
+
+
+def test_bad_schedules_are_value_errors():
+    with pytest.raises(ValueError, match="deadlocks"):
+        simulate([[("B", 0), ("F", 0)]])
+    with pytest.raises(ValueError, match="missing"):
+        simulate([[("F", 0), ("F", 1), ("B", 0)]])
+    with pytest.raises(ValueError, match="pairs with op in"):
+        simulate([[("X", 0), ("B", 0)]])
+    with pytest.raises(ValueError, match="non-empty"):
+        simulate([])
+    with pytest.raises(ValueError, match="non-negative"):
+        simulate(make_schedule("gpipe", 2, 2), t_forward=-1.0)
+
+
+def test_gantt_draws_one_row_per_stage():
+    sim = simulate(make_schedule("1f1b", 3, 4))
+    fig = plots.gantt(sim.timings, 3, "test", time_unit="t_f")
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["stage 0", "stage 1", "stage 2"]
+    assert ax.get_xlabel() == "time (t_f)" and ax.get_title() == "test"
+    assert len(ax.collections) == len(sim.timings)           # one bar per op
+    fig2 = plots.gantt([(0, "F", 0, 0.0, 1.0), (1, "B", 0, 1.0, 3.0)], 2, "tuples")  # tuples work too
+    assert len(fig2.axes[0].collections) == 2
+    assert isinstance(sim.timings[0], OpTiming)
+
+
+# ----- executor pieces that need no processes --------------------------------------
+
+
+def test_split_sequential_and_shapes():
+    seq = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    parts = split_sequential(seq, 2)
+    assert [len(p) for p in parts] == [3, 2]
+    assert parts[0][0] is seq[0]                               # shared, not copied
+    assert boundary_shapes(parts, torch.zeros(5, 4)) == [((5, 4), torch.float32), ((5, 8), torch.float32)]
+    with pytest.raises(ValueError, match="cannot cut"):
+        split_sequential(seq, 6)
+
+
+def test_run_stage_checks_its_inputs_before_communicating():
+    stage = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="first stage needs"):
+        run_stage(stage, [("F", 0), ("B", 0)], rank=0, world=2, in_shape=((1, 2), torch.float32))
+    with pytest.raises(ValueError, match="last stage needs"):
+        run_stage(stage, [("F", 0), ("B", 0)], rank=1, world=2, in_shape=((1, 2), torch.float32))
+
+
+# ----- one real run: 3 processes, both schedules, both executors --------------------
+
+
+@pytest.mark.slow
+def test_real_pipeline_matches_sequential_and_formula():
+    from course_lib.distributed import launch
+
+    p, m = 3, 6
+    result = launch.run("course_lib.workers.pipeline_run", nproc=p, timeout=150, env={"COURSE_PROFILE": "smoke"},
+                        args=["--api", "both", "--schedules", "gpipe,1f1b", "--microbatches", str(m),
+                              "--t-forward-ms", "50", "--t-backward-ms", "100", "--repeats", "2"])
+    assert result["world"] == p and result["backend"] == "gloo"
+    for run in result["handmade"]:
+        kind = run["kind"]
+        assert run["output_max_abs_diff"] < 1e-5 and run["grad_max_abs_diff"] < 1e-5, run
+        assert abs(run["bubble_measured"] - bubble_formula(p, m)) <= 0.05, (kind, run["bubble_measured_all"])
+        expected = [m] * p if kind == "gpipe" else [min(p - s, m) for s in range(p)]
+        assert run["peak_inflight"] == expected
+        assert len(run["timings"]) == 2 * m * p
+    gp, ofob = (next(r for r in result["handmade"] if r["kind"] == k) for k in ("gpipe", "1f1b"))
+    assert gp["peak_activation_bytes"][0] == pytest.approx(2 * ofob["peak_activation_bytes"][0])  # m / p = 2
+    assert {r["kind"] for r in result["torch_api"]} == {"gpipe", "1f1b"}
+    for run in result["torch_api"]:
+        assert run["output_max_abs_diff"] < 1e-5 and run["grad_max_abs_diff"] < 1e-5, run
