@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import os
 import random
-from typing import Any, Mapping, TypeVar
+from typing import TYPE_CHECKING, Any, Mapping, TypeVar
 
-import numpy as np
-import torch
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported inside the functions that need it, so that `course --help`,
+# `course grade` and other commands that never touch a tensor start quickly.
 
 PROFILES = ("smoke", "cpu", "gpu")
 T = TypeVar("T")
@@ -32,6 +35,8 @@ def check_profile(profile: str) -> str:
 
 def pick_profile(requested: str | None = None) -> str:
     """The profile to run: ``requested``, else ``$COURSE_PROFILE``, else ``gpu`` with CUDA, else ``cpu``."""
+    import torch
+
     profile = requested or os.environ.get("COURSE_PROFILE") or ("gpu" if torch.cuda.is_available() else "cpu")
     return check_profile(profile)
 
@@ -44,23 +49,28 @@ def sizes(profile: str, table: Mapping[str, T]) -> T:
     return table[profile]
 
 
-def pick_device(profile: str | None = None) -> torch.device:
+def pick_device(profile: str | None = None) -> "torch.device":
     """CUDA when the profile is ``gpu`` and a GPU is present, else the CPU.
 
     ``smoke`` and ``cpu`` stay on the CPU even on a GPU machine, so that their
     numbers match what CI measures.
     """
+    import torch
+
     if profile in (None, "gpu") and torch.cuda.is_available():
         return torch.device("cuda")
     return torch.device("cpu")
 
 
-def seed_everything(seed: int) -> torch.Generator:
+def seed_everything(seed: int) -> "torch.Generator":
     """Seed Python, NumPy and PyTorch (CPU and CUDA); return a CPU generator seeded the same.
 
     The same seed gives the same numbers on the same machine. Different
     machines (or thread counts) can still differ in the last bits of float sums.
     """
+    import numpy as np
+    import torch
+
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # also seeds every CUDA device
@@ -69,6 +79,8 @@ def seed_everything(seed: int) -> torch.Generator:
 
 def describe() -> dict[str, Any]:
     """Versions and hardware, for chapter 00 and ``course doctor``."""
+    import torch
+
     info: dict[str, Any] = {
         "python": f"{os.sys.version_info.major}.{os.sys.version_info.minor}.{os.sys.version_info.micro}",
         "torch": torch.__version__,
