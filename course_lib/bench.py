@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import operator
+import sys
 import time
 from pathlib import Path
 
@@ -37,7 +38,7 @@ def run_all(only: list[str] | None = None) -> dict[str, dict]:
         start = time.perf_counter()
         for name, entry in module.run().items():
             table[name] = {"value": entry["value"], "goal": entry.get("goal")}
-        print(f"[bench] {path.stem}: {time.perf_counter() - start:.1f} s", flush=True)
+        print(f"[bench] {path.stem}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     return table
 
 
