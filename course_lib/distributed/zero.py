@@ -86,6 +86,10 @@ class ZeroOptimizer:
     rank r's slice of it, ``self.shard``, is the only parameter the inner
     optimizer sees, so the optimizer state exists for 1/N of the model.
     ``counter`` counts the bytes this rank sends in ``step`` (``comm`` ring formulas).
+
+    Only trainable parameters are sharded and synchronised (from rank 0, at
+    construction); buffers such as BatchNorm's running statistics are not,
+    unlike DDP, which broadcasts them before every forward.
     """
 
     def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], stage: int,

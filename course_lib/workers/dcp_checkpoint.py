@@ -28,7 +28,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 
 import torch
@@ -149,9 +148,10 @@ def crash_run(cfg: RunConfig, root: str, every: int, crash_at: int, device: torc
         raise ValueError(f"crash_at={crash_at} must be a checkpoint step (a multiple of every={every}) "
                          f"within the {cfg.steps} steps, after the first checkpoint")
     root_path = Path(root)
+    if root_path.exists() and any(root_path.iterdir()):  # every rank checks, so every rank raises
+        raise ValueError(f"{root} is not empty: a run from scratch writes its checkpoints into an empty folder")
+    dist.barrier()  # every rank has looked before rank 0 creates it
     if dist.get_rank() == 0:
-        if root_path.exists() and any(root_path.iterdir()):
-            shutil.rmtree(root_path)  # a fresh run starts from an empty folder
         root_path.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     model, opt = _fsdp(cfg, device)

@@ -142,6 +142,9 @@ def _full_params(model: torch.nn.Module) -> list[torch.Tensor]:
 def run_method(method: str, cfg: RunConfig, rank: int, world: int,
                device: torch.device) -> tuple[dict, list[torch.Tensor]]:
     """Train ``cfg.steps`` steps with ``method``; return (losses, bytes held and sent, step times), final params."""
+    if device.type == "cuda":  # on GPUs, also the real peak of everything this rank allocated
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
     model, step, counter, held = _setup(method, cfg, device)
     losses, times = [], []
     for s in range(cfg.steps):
@@ -156,6 +159,8 @@ def run_method(method: str, cfg: RunConfig, rank: int, world: int,
            "sent_by_op": {k: v / cfg.steps for k, v in counter.by_op.items()},
            "calls_per_step": {k: v / cfg.steps for k, v in counter.calls.items()},
            "step_s": statistics.median(times[1:] if len(times) > 1 else times)}
+    if device.type == "cuda":
+        out["cuda_peak_bytes"] = gather_per_rank(torch.cuda.max_memory_allocated(device))
     full = [p.to("cpu", torch.float64) for p in _full_params(model.module if isinstance(model, DDP) else model)]
     if method == "fsdp2":
         p = model.blocks[0].mlp[0].weight  # what a sharded parameter is

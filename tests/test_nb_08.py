@@ -1,0 +1,69 @@
+"""Chapter 08's claims, measured by the notebook at the test profile."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import notebook_claims
+
+pytestmark = pytest.mark.notebook
+
+
+@pytest.fixture(scope="module")
+def c() -> dict:
+    return notebook_claims("08")
+
+
+def test_formulas(c: dict) -> None:
+    assert abs(c["ch08/mixed_adam_bytes_per_param"] - 16) < 0.01  # 2 + 2 + 12, plus a step counter per tensor
+    assert c["ch08/paper_example_gb"] == [120.0, 31.4, 16.6, 1.9]  # Rajbhandari et al. 2020, Figure 1
+
+
+def test_zero_by_hand_is_adam(c: dict) -> None:
+    assert c["ch08/byhand_max_diff_float64"] < 1e-10
+    # float32: only the key bias (true gradient 0, pure rounding noise) drifts, by about lr x steps
+    assert "qkv.bias" in c["ch08/byhand_float32_worst_param"]
+    assert c["ch08/key_bias_grad_max"] < 1e-6 < c["ch08/query_bias_grad_max"]
+    fractions = c["ch08/byhand_optimizer_fraction"]
+    assert all(abs(f * len(fractions) - 1) < 0.01 for f in fractions)
+
+
+def test_real_ranks_train_like_adam(c: dict) -> None:
+    assert c["ch08/exact_max_param_diff"] < 1e-5
+    assert c["ch08/max_loss_diff_float32"] < 1e-4
+    assert c["ch08/final_loss_spread"] < 1e-4
+    assert 0 < c["ch08/bf16_max_loss_diff"] < 0.05  # bf16 compute: close, not equal
+    assert c["ch08/fsdp2_param_placements"] == "(Shard(dim=0),)"
+    assert c["ch08/fsdp2_param_local_rows_fraction"] == 0.5
+
+
+def test_memory_per_rank_follows_the_formulas(c: dict) -> None:
+    for key, ratio in c["ch08/held_over_formula"].items():
+        for part, r in ratio.items():
+            assert abs(r - 1) < 0.02, f"{key} {part}: measured / formula = {r}"
+    for key, r in c["ch08/optimizer_total_over_one_copy"].items():
+        method, world = key.split("/")
+        copies = int(world) if method == "ddp" else 1  # DDP replicates; ZeRO and FSDP2 hold it once
+        assert abs(r / copies - 1) < 0.01, f"{key}: optimizer state held {r} times"
+    imbalance = c["ch08/optimizer_imbalance"]
+    assert imbalance["zero1"] == 1.0 and imbalance["zero_redundancy"] >= 1.0
+
+
+def test_communication_is_1x_1x_1p5x(c: dict) -> None:
+    expected = {"ddp": 1.0, "zero1": 1.0, "zero2": 1.0, "fsdp2": 1.5, "fsdp2_keep": 1.0, "zero_redundancy": 1.5,
+                "fsdp2_bf16": 1.0}
+    ratios = c["ch08/comm_ratio"]
+    assert {"zero1/2", "zero2/2", "fsdp2/2", "zero1/4", "zero2/4", "fsdp2/4"} <= set(ratios)
+    for key, r in ratios.items():
+        want = expected[key.split("/")[0]]
+        assert abs(r / want - 1) < 0.05, f"{key}: {r} x DDP, expected {want}"
+    assert abs(c["ch08/bf16_allgather_ratio"] - 0.5) < 0.01
+
+
+def test_checkpoints(c: dict) -> None:
+    assert c["ch08/crash_happened"] is True
+    assert c["ch08/incomplete_has_metadata"] == [False]
+    assert c["ch08/resume_state_intact"] is True
+    assert c["ch08/resume_identical"] is True and c["ch08/resume_max_abs_diff"] == 0.0
+    for world, r in c["ch08/reshard"].items():
+        assert r["state_intact"] is True, f"loading at world size {world} changed the state"
+        assert r["max_loss_diff"] < 1e-5
