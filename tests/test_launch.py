@@ -29,9 +29,9 @@ def test_ok_returns_rank0_result():
     assert result["omp_threads"] == 1, "workers should default to one thread each"
 
 
-def test_failing_worker_raises_with_its_log():
-    with pytest.raises(RuntimeError) as info:
-        launch.run(WORKER, 2, ["--mode", "fail"], timeout=TIMEOUT)
+def test_failing_worker_raises_with_its_log(tmp_path: Path):
+    with pytest.raises(RuntimeError) as info:  # log_dir: the kept logs land where pytest cleans up
+        launch.run(WORKER, 2, ["--mode", "fail"], timeout=TIMEOUT, log_dir=tmp_path)
     msg = str(info.value)
     assert "rank 1" in msg
     assert "fails on purpose" in msg, "the error should carry the tail of the failing rank's log"
@@ -41,7 +41,8 @@ def test_hanging_worker_times_out_and_leaves_nothing(tmp_path: Path):
     timeout = 20.0
     start = time.monotonic()
     with pytest.raises(TimeoutError):
-        launch.run(WORKER, 2, ["--mode", "hang", "--pid-dir", str(tmp_path)], timeout=timeout)
+        launch.run(WORKER, 2, ["--mode", "hang", "--pid-dir", str(tmp_path)], timeout=timeout,
+                   log_dir=tmp_path / "logs")
     elapsed = time.monotonic() - start
     # the timeout, then at most a few grace periods to stop torchrun and its workers
     assert elapsed < timeout + 4 * launch.STOP_GRACE_S, f"took {elapsed:.1f} s"
@@ -53,10 +54,10 @@ def test_hanging_worker_times_out_and_leaves_nothing(tmp_path: Path):
     assert not children, f"the test process still has children: {children}"
 
 
-def test_mismatched_collective_is_an_error_not_a_hang():
+def test_mismatched_collective_is_an_error_not_a_hang(tmp_path: Path):
     start = time.monotonic()
     with pytest.raises(RuntimeError) as info:  # not TimeoutError: the process group timed out first
-        launch.run(WORKER, 2, ["--mode", "mismatch", "--pg-timeout", "5"], timeout=TIMEOUT)
+        launch.run(WORKER, 2, ["--mode", "mismatch", "--pg-timeout", "5"], timeout=TIMEOUT, log_dir=tmp_path)
     assert "timed out" in str(info.value).lower() or "timeout" in str(info.value).lower()
     assert time.monotonic() - start < TIMEOUT
 
@@ -66,5 +67,7 @@ def test_bad_arguments_are_clear_errors():
         launch.run(WORKER, 0)
     with pytest.raises(ValueError, match="no module named"):
         launch.run("course_lib.workers.does_not_exist", 2)
+    with pytest.raises(ValueError, match="no module named"):
+        launch.run("no_such_package.worker", 2)
     with pytest.raises(RuntimeError, match="torchrun"):
         launch.init_distributed()  # not inside a worker

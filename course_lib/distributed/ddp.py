@@ -101,17 +101,18 @@ class NaiveDDP(nn.Module):
             p.grad.div_(self.world)                          # ... then the mean
 
 
-def assign_buckets(sizes: Sequence[int], cap_bytes: float, keys: Sequence[Hashable] | None = None) -> list[list[int]]:
+def assign_buckets(sizes: Sequence[int], cap_bytes: float, keys: Sequence[Hashable] | None = None,
+                   first_cap_bytes: float | None = None) -> list[list[int]]:
     """Group parameter indices into buckets of at most ``cap_bytes``, walking the parameters in reverse.
 
     Reverse, because backward produces the last layer's gradient first: bucket
     0 is ready first. A parameter larger than the cap gets a bucket of its own;
     parameters with different ``keys`` (dtype, device) never share a bucket,
-    since a bucket is one flat tensor. (PyTorch DDP also makes its first bucket
-    small, 1 MB, to start communicating sooner; we keep one cap for clarity.)
+    since a bucket is one flat tensor. ``first_cap_bytes`` caps bucket 0
+    alone: PyTorch DDP makes it 1 MB so that communication starts early.
     """
-    if cap_bytes <= 0:
-        raise ValueError(f"bucket cap must be positive, got {cap_bytes} bytes")
+    if cap_bytes <= 0 or (first_cap_bytes is not None and first_cap_bytes <= 0):
+        raise ValueError(f"bucket caps must be positive, got {cap_bytes} and {first_cap_bytes} bytes")
     if keys is not None and len(keys) != len(sizes):
         raise ValueError(f"got {len(sizes)} sizes but {len(keys)} keys")
     buckets: list[list[int]] = []
@@ -119,7 +120,8 @@ def assign_buckets(sizes: Sequence[int], cap_bytes: float, keys: Sequence[Hashab
     filled, key = 0, None
     for i in reversed(range(len(sizes))):
         k = keys[i] if keys is not None else None
-        if current and (filled + sizes[i] > cap_bytes or k != key):
+        cap = first_cap_bytes if (first_cap_bytes is not None and not buckets) else cap_bytes
+        if current and (filled + sizes[i] > cap or k != key):
             buckets.append(current)
             current, filled = [], 0
         current.append(i)
@@ -152,11 +154,16 @@ class BucketedDDP(nn.Module):
     steps launch a bucket as soon as every parameter in it reached its count.
     If a later step uses a parameter more often than any step before (the
     graph changed), its bucket is sent again at the end: correct, only slower.
-    Buckets always leave in index order, so every rank issues the same
+    The last bucket always waits for the end of backward and carries one
+    "left too early" flag per bucket, so the ranks agree on what to re-send
+    without an extra message. Buckets always leave in index order, so every rank issues the same
     collectives in the same order (a mismatch would wait for the timeout).
+    Bucket 0 is capped at ``first_bucket_mb`` (1 MB, as in PyTorch DDP) so the
+    first all-reduce starts early in the backward pass; ``None`` disables that.
     """
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, counter: comm.ByteCounter | None = None):
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, counter: comm.ByteCounter | None = None,
+                 first_bucket_mb: float | None = 1.0):
         super().__init__()
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
@@ -170,12 +177,15 @@ class BucketedDDP(nn.Module):
         sizes = [p.numel() * p.element_size() for p in self.params]
         keys = [(p.dtype, p.device) for p in self.params]
         self.buckets = [_Bucket(idx, sizes=[self.params[i].numel() for i in idx])
-                        for idx in assign_buckets(sizes, bucket_cap_mb * MB, keys)]
+                        for idx in assign_buckets(sizes, bucket_cap_mb * MB, keys,
+                                                  None if first_bucket_mb is None
+                                                  else min(first_bucket_mb, bucket_cap_mb) * MB)]
         self._bucket_of = {i: k for k, b in enumerate(self.buckets) for i in b.params}  # param -> bucket
         self._expected: list[int] | None = None   # hook calls per parameter, learned on the first step
         self._count = [0] * len(self.params)
         self._next = 0                            # the next bucket to launch
         self._sync = True
+        self.resent = 0                           # buckets sent twice because a gradient came late
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
         self._reset()
 
@@ -213,59 +223,67 @@ class BucketedDDP(nn.Module):
         self._late: set[int] = set()
         self._next = 0
         for b in self.buckets:
-            b.flat, b.work, b.launched = None, None, False
+            b.work, b.launched = None, False
             b.waiting = sum(1 for i in b.params if self._expected is None or self._expected[i] > 0)
 
-    def _launch_ready(self) -> None:
-        # in order: bucket k leaves only after bucket k-1, the same sequence on every rank
-        while self._next < len(self.buckets) and self.buckets[self._next].waiting == 0:
+    def _launch_ready(self, final: bool = False) -> None:
+        # In order: bucket k leaves only after bucket k-1, the same sequence on every rank. The last
+        # bucket (the first layers, whose gradients come last anyway) waits for the end of backward,
+        # so that it can also carry the "late" flags below.
+        stop = len(self.buckets) if final else len(self.buckets) - 1
+        while self._next < stop and self.buckets[self._next].waiting == 0:
             self._launch(self.buckets[self._next])
             self._next += 1
 
     @torch.no_grad()
     def _launch(self, b: _Bucket) -> None:
         params = [self.params[i] for i in b.params]
+        dtype, device = params[0].dtype, params[0].device
         # One flat tensor: the gradients (zeros for a missing one), then a 0/1 "has a gradient"
         # flag per parameter, so the same message tells which parameters are unused on every rank.
         # The copy costs one bucket of memory traffic; torch DDP avoids it by making .grad a view
         # into the bucket (gradient_as_bucket_view=True).
         parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
-        flags = torch.tensor([float(p.grad is not None) for p in params], dtype=params[0].dtype,
-                             device=params[0].device)
-        b.flat = torch.cat([*parts, flags])
+        tail = [torch.tensor([float(p.grad is not None) for p in params], dtype=dtype, device=device)]
+        if b is self.buckets[-1]:
+            # The last bucket leaves after every hook has run: it also carries one flag per bucket that
+            # some gradient reached after the bucket had left, so all ranks agree on what to re-send.
+            late = torch.zeros(len(self.buckets), dtype=dtype, device=device)
+            late[sorted(self._late)] = 1.0
+            tail.append(late)
+        if b.flat is None:  # allocated once, reused every step (the previous all-reduce is finished by now)
+            b.flat = torch.empty(sum(b.sizes) + sum(len(t) for t in tail), dtype=dtype, device=device)
+        torch.cat([*parts, *tail], out=b.flat)
         b.work = comm.all_reduce(b.flat, counter=self.counter, async_op=True)
         b.launched = True
 
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
         """Launch the buckets still waiting, wait for all, and write the averaged gradients back."""
-        if not self._sync:
+        if not self._sync or not self.buckets:  # no_sync, or nothing trainable
             return
-        first_step = self._expected is None
         for b in self.buckets[self._next:]:
             b.waiting = 0  # whatever did not arrive is not coming in this step
-        self._launch_ready()
+        self._launch_ready(final=True)
         for b in self.buckets:
             b.work.wait()
-        if not first_step:
-            # Buckets that left before a late gradient must be sent again, on every rank
-            # alike: one small all-reduce of per-bucket flags (a few bytes, not counted) agrees on them.
-            late = torch.zeros(len(self.buckets), device=self.params[0].device)
-            late[list(self._late)] = 1.0
-            dist.all_reduce(late)
-            for k in late.nonzero().flatten().tolist():
-                self._launch(self.buckets[k])
-                self.buckets[k].work.wait()
+        late = self.buckets[-1].flat[-len(self.buckets):]
+        for k in late.nonzero().flatten().tolist():  # left too early on some rank: send again, everywhere
+            self.resent += 1
+            self._launch(self.buckets[k])
+            self.buckets[k].work.wait()
         for b in self.buckets:
             self._unpack(b)
         # hook calls per parameter: learned on the first step, raised if a later step needs more
+        first_step = self._expected is None
         self._expected = list(self._count) if first_step else [max(e, c) for e, c in zip(self._expected, self._count)]
         self._reset()
 
     def _unpack(self, b: _Bucket) -> None:
         """Average a bucket's sums and write them into ``.grad`` (flag 0: unused on every rank, keep None)."""
         total = sum(b.sizes)
-        for i, g, used in zip(b.params, b.flat[:total].split(b.sizes), b.flat[total:].tolist()):
+        flags = b.flat[total: total + len(b.params)].tolist()
+        for i, g, used in zip(b.params, b.flat[:total].split(b.sizes), flags):
             p = self.params[i]
             if used == 0:
                 continue  # unused on every rank: keep grad None, as a single process would

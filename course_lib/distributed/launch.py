@@ -23,6 +23,7 @@ rendezvous endpoint (``docs/multinode.md``).
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
@@ -66,7 +67,11 @@ def run(module: str, nproc: int, args: list[str] | None = None, timeout: float =
         raise ValueError(f"nproc must be a positive int, got {nproc!r}")
     if timeout <= 0:
         raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
-    if importlib.util.find_spec(module) is None:
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a missing parent package, or an empty/relative name
+        found = False
+    if not found:
         raise ValueError(f"no module named {module!r}; workers live under course_lib/workers/ "
                          "(pass e.g. 'course_lib.workers.selftest')")
     keep = log_dir is not None
@@ -251,6 +256,14 @@ def report(result: dict) -> None:
 
 
 def shutdown() -> None:
-    """Leave the process group (no barrier, so a rank that finishes early does not wait on the others)."""
+    """Leave the process group (no barrier, so a rank that finishes early does not wait on the others).
+
+    Wrappers such as DDP keep the process group and finished work objects alive
+    through reference cycles; collecting them first, while the group still
+    exists, avoids an occasional abort ("terminate called without an active
+    exception") when the interpreter tears them down after the group is gone.
+    """
+    gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()

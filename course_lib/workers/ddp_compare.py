@@ -35,7 +35,7 @@ from course_lib.distributed import comm, launch
 from course_lib.distributed.ddp import BucketedDDP, NaiveDDP, counting_allreduce_hook
 from course_lib.models import MLP
 
-SMALL_CAP_MB = 0.02  # ~20 KB: several buckets even for this small model
+SMALL_CAP_MB = 4096 / 2**20  # 4 KB: about one bucket per weight of this small model, so buckets leave mid-backward
 
 
 class EdgeCaseNet(nn.Module):
@@ -60,10 +60,11 @@ class EdgeCaseNet(nn.Module):
         h = torch.tanh(self.frozen(torch.tanh(self.inp(x))))
         h = self.block(h)
         h = checkpoint(self.block, h, use_reentrant=True) if self.reentrant else self.block(h)
+        # aux runs before head, so backward reaches it last: its bucket (shared with head) has
+        # often left already when aux's gradient arrives on a step that uses it
+        extra = self.aux(h) if (use_aux and self.aux is not None) else None
         out = self.head(h)
-        if use_aux and self.aux is not None:
-            out = out + self.aux(h)
-        return out
+        return out if extra is None else out + extra
 
 
 SCENARIOS = {  # name: (model kwargs, torch DDP kwargs, use_aux(step))
@@ -73,13 +74,16 @@ SCENARIOS = {  # name: (model kwargs, torch DDP kwargs, use_aux(step))
 }
 
 
-def _wrap(kind: str, model: nn.Module, ddp_kwargs: dict, cap_mb: float, counter: comm.ByteCounter | None = None):
+def _wrap(kind: str, model: nn.Module, ddp_kwargs: dict, cap_mb: float | None,
+          counter: comm.ByteCounter | None = None):
+    """``cap_mb=None``: each wrapper's defaults (25 MB buckets, the first one 1 MB)."""
     if kind == "naive":
         return NaiveDDP(model, counter=counter)
     if kind == "bucketed":
-        return BucketedDDP(model, bucket_cap_mb=cap_mb, counter=counter)
+        return BucketedDDP(model, counter=counter, **({} if cap_mb is None else dict(bucket_cap_mb=cap_mb)))
     if kind == "torch":
-        ddp = DDP(model, bucket_cap_mb=cap_mb, **ddp_kwargs)
+        # torch DDP keeps its small first bucket only when bucket_cap_mb is left at its default
+        ddp = DDP(model, **ddp_kwargs, **({} if cap_mb is None else dict(bucket_cap_mb=cap_mb)))
         if counter is not None:
             ddp.register_comm_hook(None, counting_allreduce_hook(counter))
         return ddp
@@ -116,8 +120,14 @@ def compare_scenario(name: str, rank: int, world: int, batch: int, steps: int, s
     ref = train(ref_model, X, Y)
     mine = slice(rank * batch, (rank + 1) * batch)
     out = {}
-    for kind in ("naive", "bucketed", "torch"):
-        wrapped = _wrap(kind, copy.deepcopy(base), ddp_kw, SMALL_CAP_MB)
+    for kind in ("naive", "bucketed", "torch", "bucketed_first_call"):
+        if kind == "bucketed_first_call" and name != "reentrant":
+            continue
+        wrapped = _wrap(kind.removesuffix("_first_call"), copy.deepcopy(base), ddp_kw, SMALL_CAP_MB)
+        if kind == "bucketed_first_call":
+            # the mistake the hook counting avoids: send a bucket at the first hook call of each parameter
+            wrapped._expected = [1] * len(wrapped.params)
+            wrapped._reset()
         hist = train(wrapped, X[:, mine], Y[:, mine])
         inner = wrapped.module
         none_match = all((a is None) == (b is None) for h, r in zip(hist, ref) for a, b in zip(h, r))
@@ -125,9 +135,9 @@ def compare_scenario(name: str, rank: int, world: int, batch: int, steps: int, s
                          if a is not None and b is not None), default=0.0)
         param_diff = max((p - q).abs().max().item() for p, q in zip(inner.parameters(), ref_model.parameters()))
         out[kind] = {"grad_diff": grad_diff, "param_diff": param_diff, "none_match": none_match}
-        if kind == "bucketed":
-            out[kind]["buckets"] = len(wrapped.buckets)
-            out[kind]["max_hook_calls"] = max(wrapped._expected)
+        if kind.startswith("bucketed"):
+            out[kind].update(buckets=len(wrapped.buckets), max_hook_calls=max(wrapped._expected),
+                             resent=wrapped.resent)
     return out
 
 
@@ -155,7 +165,7 @@ def _median_step_ms(models: dict[str, nn.Module], x: torch.Tensor, y: torch.Tens
 
 
 def timing(world: int, rank: int, batch: int, in_features: int, hidden: list[int], rounds: int, steps: int,
-           cap_mb: float, seed: int, device: torch.device) -> dict:
+           cap_mb: float | None, seed: int, device: torch.device) -> dict:
     """Step time of each wrapper on an MLP, and the bytes each sends per step."""
     torch.manual_seed(seed)
     base = MLP(in_features, tuple(hidden)).to(device)
@@ -166,18 +176,24 @@ def timing(world: int, rank: int, batch: int, in_features: int, hidden: list[int
     ms = _median_step_ms(models, x, y, rounds, steps)
     grad_bytes = sum(comm.nbytes(p) for p in base.parameters())
     sent = {}
-    for kind in ("naive", "bucketed", "torch"):  # one counted step each
+    for kind in ("naive", "bucketed", "torch"):  # count the second step: both DDPs set up buckets in the first
         counter = comm.ByteCounter()
         model = _wrap(kind, copy.deepcopy(base), {}, cap_mb, counter)
-        F.cross_entropy(model(x), y).backward()
-        _sync(model)
+        for _ in range(2):
+            counter.reset()
+            model.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+            _sync(model)
         sent[kind] = {"bytes": counter.bytes, "messages": counter.calls.get("all_reduce", 0)}
     return {"ms": ms, "grad_bytes": grad_bytes, "sent": sent, "params": sum(p.numel() for p in base.parameters()),
             "tensors": len(list(base.parameters())), "batch_per_rank": batch, "cap_mb": cap_mb}
 
 
 def no_sync_counts(rank: int, world: int, batch: int, k: int, steps: int, seed: int, device: torch.device) -> dict:
-    """All-reduce messages for ``steps`` optimizer steps of ``k`` micro-batches, with and without no_sync."""
+    """All-reduce messages for ``steps`` optimizer steps of ``k`` micro-batches, with and without no_sync.
+
+    ``buckets`` is the number of messages one synchronised backward sends.
+    """
     torch.manual_seed(seed)
     base = EdgeCaseNet().to(device)
     g = torch.Generator().manual_seed(seed + rank)
@@ -185,10 +201,13 @@ def no_sync_counts(rank: int, world: int, batch: int, k: int, steps: int, seed: 
              for _ in range(k)]
     out: dict = {"k": k, "steps": steps}
     for kind in ("torch", "bucketed"):
+        last_grads: dict[bool, list[torch.Tensor]] = {}
         for use_no_sync in (False, True):
             counter = comm.ByteCounter()
             model = _wrap(kind, copy.deepcopy(base), {}, SMALL_CAP_MB, counter)
-            for _ in range(steps):
+            for step in range(steps + 1):
+                if step == 1:
+                    counter.reset()  # count from the second step: both DDPs set up their buckets in the first
                 for j, (x, y) in enumerate(micro):
                     last = j == k - 1
                     ctx = model.no_sync() if (use_no_sync and not last) else contextlib.nullcontext()
@@ -196,8 +215,12 @@ def no_sync_counts(rank: int, world: int, batch: int, k: int, steps: int, seed: 
                         (F.cross_entropy(model(x), y) / k).backward()  # / k: the mean over the k micro-batches
                         if not use_no_sync or last:
                             _sync(model)
+                last_grads[use_no_sync] = [p.grad.clone() for p in model.parameters() if p.grad is not None]
                 model.zero_grad(set_to_none=True)
             out[f"{kind}_{'no_sync' if use_no_sync else 'every_micro_batch'}"] = counter.calls.get("all_reduce", 0)
+        out[f"{kind}_buckets"] = out[f"{kind}_no_sync"] // steps
+        # the same averaged gradient either way: skipping the early all-reduces loses nothing
+        out[f"{kind}_grad_diff"] = max((a - b).abs().max().item() for a, b in zip(last_grads[False], last_grads[True]))
     return out
 
 
@@ -210,17 +233,20 @@ def main() -> None:
     parser.add_argument("--timing-hidden", type=int, nargs="+", default=[512] * 4)
     parser.add_argument("--timing-rounds", type=int, default=3, help="0 skips the timing")
     parser.add_argument("--timing-steps", type=int, default=5)
-    parser.add_argument("--cap-mb", type=float, default=25.0, help="bucket size for the timing (torch's default)")
+    parser.add_argument("--cap-mb", type=float, default=None,
+                        help="bucket size for the timing (default: each wrapper's, 25 MB with a 1 MB first bucket)")
     parser.add_argument("--accum", type=int, default=4, help="micro-batches per step for the no_sync count")
     parser.add_argument("--bn", action="store_true", help="also run the BatchNorm checks")
+    parser.add_argument("--timing-only", action="store_true", help="skip the equality and no_sync checks")
     parser.add_argument("--seed", type=int, default=0)
     a = parser.parse_args()
 
     rank, world, device = launch.init_distributed()  # CPU + gloo, or one GPU per rank + NCCL
     result: dict = {"world": world, "backend": dist.get_backend()}
-    result["equal"] = {name: compare_scenario(name, rank, world, a.batch, a.steps, a.seed, device)
-                       for name in SCENARIOS}
-    result["no_sync"] = no_sync_counts(rank, world, a.batch, a.accum, steps=2, seed=a.seed, device=device)
+    if not a.timing_only:
+        result["equal"] = {name: compare_scenario(name, rank, world, a.batch, a.steps, a.seed, device)
+                           for name in SCENARIOS}
+        result["no_sync"] = no_sync_counts(rank, world, a.batch, a.accum, steps=2, seed=a.seed, device=device)
     if a.timing_rounds > 0:
         result["timing"] = timing(world, rank, a.timing_batch, a.timing_in, a.timing_hidden, a.timing_rounds,
                                   a.timing_steps, a.cap_mb, a.seed, device)

@@ -1,0 +1,93 @@
+"""Weak scaling of data-parallel training: throughput against world size (chapter 06).
+
+    torchrun --nproc-per-node 4 -m course_lib.workers.ddp_scaling --batch 16 --steps 5
+
+Each rank trains a ResNet with torch DDP on its own ``--batch`` samples per
+step (weak scaling: the global batch grows with the world size), reading its
+shard of the offline shapes dataset through ``DistributedSampler``. Rank 0
+reports samples per second over all ranks, the step time, the step time with
+``no_sync()`` (the same work without the all-reduce: compute alone), and the
+bytes a hand-written ring all-reduce of the gradient sends, against the
+2(N-1)/N formula.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+from course_lib import data
+from course_lib.distributed import comm, launch
+from course_lib.models import ResNet
+
+
+def _timed_steps(model: DDP, opt: torch.optim.Optimizer, batches: list, sync: bool, device: torch.device) -> float:
+    """Median seconds per step over ``batches`` (each step as slow as the slowest rank)."""
+    times = []
+    for x, y in batches:
+        dist.barrier()  # start together, so one rank's step does not include waiting for another's
+        start = time.perf_counter()
+        ctx = contextlib.nullcontext() if sync else model.no_sync()
+        with ctx:
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+        opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = torch.tensor([time.perf_counter() - start], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times.append(t.item())
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=16, help="samples per rank per step")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps (after one warm-up step)")
+    parser.add_argument("--width", type=int, default=8, help="ResNet width")
+    parser.add_argument("--seed", type=int, default=0)
+    a = parser.parse_args()
+
+    rank, world, device = launch.init_distributed()
+    dataset = data.load_dataset("shapes", "train", n=world * a.batch * (a.steps + 1), seed=a.seed)
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=a.seed)
+    sampler.set_epoch(0)  # a different shuffle each epoch, the same on every rank
+    loader = DataLoader(dataset, batch_size=a.batch, sampler=sampler, drop_last=True)
+    batches = [(x.to(device), y.to(device)) for x, y in loader]  # loaded up front: time the training, not the loader
+
+    torch.manual_seed(a.seed)
+    model = DDP(ResNet(a.width).to(device), device_ids=[device.index] if device.type == "cuda" else None)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    _timed_steps(model, opt, batches[:1], True, device)  # warm-up: allocations, DDP's first-step bookkeeping
+    step_s = _timed_steps(model, opt, batches[1:], True, device)
+    compute_s = _timed_steps(model, opt, batches[1:], False, device)
+
+    # communication volume of one gradient all-reduce, by the hand-written ring
+    flat = torch.cat([p.grad.flatten() for p in model.parameters()])
+    expected = flat.clone()
+    dist.all_reduce(expected)
+    counter = comm.ByteCounter()
+    comm.ring_all_reduce(flat, counter=counter)
+    grad_bytes = comm.nbytes(flat)
+    launch.report({
+        "world": world, "batch_per_rank": a.batch, "global_batch": world * a.batch,
+        "step_ms": step_s * 1e3, "compute_ms": compute_s * 1e3,
+        "samples_per_s": world * a.batch / step_s,
+        "grad_bytes": grad_bytes, "ring_bytes": counter.bytes, "ring_ratio": counter.bytes / grad_bytes,
+        "ring_max_abs_diff": (flat - expected).abs().max().item(),
+        "shard_sizes": len(sampler), "cpu_count": os.cpu_count(), "backend": dist.get_backend(),
+    })
+    launch.shutdown()
+
+
+if __name__ == "__main__":
+    main()
