@@ -1,0 +1,21 @@
+import math
+
+from conftest import notebook_claims
+
+
+def test_batch_size_claims():
+    c = notebook_claims("02")
+    # throughput grows with the batch, and the last doubling gains less than the first (saturation)
+    assert c["ch02/throughput_max_over_batch1"] > 2
+    assert c["ch02/throughput_gain_last_doubling"] < c["ch02/throughput_gain_first_doubling"]
+    # the estimator's largest batch really fits, and one more sample does not
+    assert c["ch02/max_batch_estimated"] >= 1
+    assert c["ch02/max_batch_measured_fits"] is True
+    assert c["ch02/max_batch_plus_one_exceeds"] is True
+    # two loader workers make the loader faster than none (two cores: at most about 2x)
+    assert c["ch02/loader_speedup_2_workers"] > 1.0
+    # linear scaling without warmup ends worse than with warmup
+    assert c["ch02/no_warmup_final_loss"] > c["ch02/warmup_final_loss"]
+    # the gradient noise scale: positive in every repeat, with a finite spread
+    assert c["ch02/noise_scale_all_positive"] is True
+    assert c["ch02/noise_scale_mean"] > 0 and math.isfinite(c["ch02/noise_scale_std"])
