@@ -16,13 +16,14 @@ checkpointed block.
 - ``Checkpointed`` and ``checkpoint_blocks``: wrap each block of a model, fully
   or selectively (``torch.utils.checkpoint.create_selective_checkpoint_contexts``
   with a policy that saves chosen ops and recomputes the rest);
-- ``count_forward_calls`` and ``chain``: what the chapter measures with.
+- ``count_forward_calls``, ``chain`` and ``fastest_times``: what the chapter measures with.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import time
 from collections import Counter
 from contextlib import contextmanager
 from typing import Callable, Collection, Iterable, Iterator
@@ -146,7 +147,8 @@ def save_ops_policy(save_ops: Collection = LINEAR_OPS) -> Policy:
     """A selective-checkpoint policy: keep the outputs of ``save_ops``, recompute every other op.
 
     Saving a matmul's output spares its recomputation (the expensive part);
-    recomputing pointwise ops (GELU, softmax, masking, scaling) costs little time.
+    pointwise ops (GELU, softmax, masking, scaling) cost few FLOPs to redo,
+    though each still reads and writes its whole tensor.
     """
     ops = frozenset(save_ops)
 
@@ -199,7 +201,7 @@ def checkpoint_blocks(blocks: nn.Sequential, mode: str, save_ops: Collection = L
 
 @contextmanager
 def count_forward_calls(modules: Iterable[nn.Module]) -> Iterator[Counter]:
-    """Count every call of each module's forward while the block runs: ``counter[i]`` for the i-th module.
+    """Count the forward calls of each module inside the ``with`` block: ``counter[i]`` for the i-th module.
 
     A forward *pre*-hook counts a call when it starts: recomputation may stop
     early, as soon as the last tensor the backward needs is rebuilt, before the
@@ -228,6 +230,21 @@ def chain(n: int, width: int) -> nn.Sequential:
     return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(n)])
 
 
-def block_activation_units(peak: float, batch: int, width: int, dtype: torch.dtype = torch.float32) -> float:
-    """A byte count expressed in block activations of ``chain(n, width)`` at this batch: ``peak / (batch*width*bytes)``."""
-    return peak / (batch * width * torch.empty((), dtype=dtype).element_size())
+def fastest_times(steps: dict[str, Callable[[], object]], repeats: int = 5) -> dict[str, float]:
+    """Seconds of the fastest of ``repeats`` runs of each step, run in turns (a, b, a, b, ...) after a warm-up.
+
+    Taking turns spreads any slowdown from other processes over all the steps,
+    and the fastest run is the one least disturbed, so ratios of these times
+    are steadier than ratios of single runs. On a GPU, synchronise inside the step.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    for step in steps.values():
+        step()  # warm-up: first-call allocations and kernel selection are not the step's cost
+    best = {name: math.inf for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
