@@ -209,7 +209,11 @@ def fit(
             generator.set_state(ckpt["loader"])
     total = max_steps or epochs * -(-len(loader) // accumulation_steps)
     bar = tqdm(total=total, initial=step, disable=not progress, mininterval=1.0, desc="train")
-    amp = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else nullcontext)
+    def amp() -> object:
+        # A fresh context per forward pass. (An autocast object is itself callable, as a
+        # decorator, so it cannot be told apart from a factory by ``callable``.)
+        return torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
+
     done_this_call = 0
     model.train()
     for epoch in range(start_epoch, epochs):
@@ -231,7 +235,7 @@ def fit(
             loss_sum = correct = 0.0
             for x, y in group:
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                with (amp() if callable(amp) else amp):
+                with amp():
                     out = model(x)
                     loss = loss_fn(out, y)
                 (loss * (len(x) / n_total)).backward()
@@ -253,24 +257,33 @@ def fit(
             history.memory_bytes.append(_memory_now(device))
             bar.update(1)
             bar.set_postfix(loss=f"{history.loss[-1]:.3f}")
+            at_end = consumed >= len(loader)
+            if at_end and eval_loader is not None:
+                # Evaluate before any checkpoint of this step, so a run resumed from it has this entry too.
+                loss, acc = evaluate(model, eval_loader, loss_fn, device)
+                history.eval_step.append(step)
+                history.eval_loss.append(loss)
+                history.eval_accuracy.append(acc)
             stopping = stop_after is not None and done_this_call >= stop_after
             if checkpoint_path is not None and (stopping or (checkpoint_every and step % checkpoint_every == 0)):
-                at_end = consumed >= len(loader)
+                # Mid-epoch: the generator as the epoch began, to replay its order and skip what was done.
+                # At the end of an epoch: the generator as it is now, so the next epoch's order follows.
+                if at_end:
+                    # Run the loader to its end first: RandomSampler draws once more from the generator as it
+                    # stops, and the uninterrupted run's next epoch starts after that draw.
+                    next(batches, None)
+                loader_state = epoch_state if not at_end else (generator.get_state() if generator is not None else None)
                 save_checkpoint(checkpoint_path, model, optimizer, scheduler,
                                 {"step": step, "epoch": epoch + at_end, "batches": 0 if at_end else consumed},
-                                history, None if at_end else epoch_state)
+                                history, loader_state)
             if stopping:
                 bar.close()
                 return history
         if max_steps is not None and step >= max_steps:
             break
-        if eval_loader is not None:
-            loss, acc = evaluate(model, eval_loader, loss_fn, device)
-            history.eval_step.append(step)
-            history.eval_loss.append(loss)
-            history.eval_accuracy.append(acc)
     bar.close()
     if checkpoint_path is not None:
         save_checkpoint(checkpoint_path, model, optimizer, scheduler,
-                        {"step": step, "epoch": epochs, "batches": 0}, history, None)
+                        {"step": step, "epoch": epochs, "batches": 0}, history,
+                        generator.get_state() if generator is not None else None)
     return history

@@ -1,0 +1,71 @@
+"""Chapter 03's claims, measured by the notebook at the test profile (smoke in CI)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import notebook_claims
+
+TOL = 1e-6  # float32 rounding of sums taken in another order; the notebook measures ~1e-8
+K = 4       # micro-batches per step in the smoke, cpu profiles (the notebook's SIZE_TABLE)
+
+
+@pytest.fixture(scope="module")
+def claims() -> dict:
+    return notebook_claims("03")
+
+
+def test_micro_batches_give_the_full_batch_gradient(claims) -> None:
+    assert claims["ch03/grad_max_abs_diff"] < TOL
+    assert claims["ch03/api_max_abs_diff"] < TOL
+    assert claims["ch03/uneven_split_max_abs_diff"] < TOL
+
+
+def test_loss_not_divided_by_k_scales_the_gradient_by_k(claims) -> None:
+    assert claims["ch03/undivided_grad_ratio"] == pytest.approx(K, rel=1e-4)
+
+
+def test_uneven_last_micro_batch(claims) -> None:
+    assert claims["ch03/naive_uneven_error"] > 1000 * TOL, "1/k weights on pieces 4, 4, 2 must be visibly wrong"
+    assert claims["ch03/naive_uneven_rel_error"] > 0.05
+    assert claims["ch03/weighted_uneven_error"] < TOL
+
+
+def test_token_weighted_mean(claims) -> None:
+    assert claims["ch03/token_naive_error"] > 0.01, "a mean per micro-batch / k is not the token mean"
+    assert claims["ch03/token_weighted_diff"] < TOL
+
+
+def test_batchnorm_breaks_accumulation_groupnorm_does_not(claims) -> None:
+    assert claims["ch03/bn_accum_grad_diff"] > 0.05
+    assert claims["ch03/gn_accum_grad_diff"] < 1e-5
+    assert claims["ch03/bn_accum_grad_diff"] > 1000 * claims["ch03/gn_accum_grad_diff"]
+    assert claims["ch03/bn_running_stat_updates"] == K, "running statistics updated once per micro-batch"
+
+
+def test_dropout_is_another_draw(claims) -> None:
+    accum, other_seed = claims["ch03/dropout_accum_vs_full"], claims["ch03/dropout_full_vs_full"]
+    assert accum > 0.05, "different masks, different gradient"
+    assert 0.5 < accum / other_seed < 2, "about as far as the full batch with another seed"
+    assert claims["ch03/dropout_eval_diff"] < TOL
+
+
+def test_activation_memory_falls_k_fold(claims) -> None:
+    for key in ("ch03/activation_ratio", "ch03/experiment_activation_ratio"):
+        assert 0.9 / K < claims[key] < 1.1 / K, f"{key} = {claims[key]}"
+
+
+def test_no_sync_communicates_once_per_step(claims) -> None:
+    assert claims["ch03/allreduce_without_no_sync"] == K
+    assert claims["ch03/allreduce_with_no_sync"] == 1
+    assert claims["ch03/no_sync_grad_diff"] < TOL
+
+
+def test_fit_with_accumulation_follows_the_same_curve(claims) -> None:
+    assert claims["ch03/fit_loss_max_diff"] < 1e-4
+    assert claims["ch03/fit_loss_drop"] > 0
+
+
+def test_accumulation_costs_time(claims) -> None:
+    # Same arithmetic in smaller pieces: never meaningfully faster (timings on a shared machine are noisy).
+    assert claims["ch03/time_ratio"] > 0.8
