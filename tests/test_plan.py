@@ -1,0 +1,166 @@
+"""The capstone's planner (course_lib.plan): it fits, it explains, it refuses clearly, and it predicts what it runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from course_lib import memory
+from course_lib import plan as planner
+from course_lib.data import make_tokens
+from course_lib.models import MLP, ResNet, TinyTransformer, lm_loss
+
+MiB = 2**20
+T, B = 32, 16
+
+
+def tiny(d_model: int = 64, n_layers: int = 4) -> TinyTransformer:
+    torch.manual_seed(0)
+    return TinyTransformer(vocab=64, d_model=d_model, n_heads=4, n_layers=n_layers, max_len=T)
+
+
+def run_and_measure(model: torch.nn.Module, cfg: planner.Config) -> tuple[int, list[float]]:
+    """Measured peak of a train_step of ``cfg`` (after a first step), and the losses of three steps."""
+    x, y = make_tokens(cfg.micro_batch * cfg.accumulation_steps, T)
+    net = planner.with_checkpointing(model, cfg.segments)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    losses = [planner.train_step(net, lm_loss, x, y, opt, cfg)]
+    peak = planner.measure_peak(net, lm_loss, x, y, opt, cfg)
+    losses += [planner.train_step(net, lm_loss, x, y, opt, cfg) for _ in range(2)]
+    return peak, losses
+
+
+@pytest.fixture(scope="module")
+def model() -> TinyTransformer:
+    return tiny()
+
+
+@pytest.fixture(scope="module")
+def measured_plan(model: TinyTransformer) -> planner.Plan:
+    # roomy enough for several candidates, too small for the whole batch in fp32 in one pass
+    return planner.plan(model, (T,), B, 14 * MiB)
+
+
+def test_plan_fits_the_budget_and_explains_itself(model, measured_plan):
+    p = measured_plan
+    cfg = p.config
+    assert cfg.micro_batch * cfg.accumulation_steps == B
+    assert cfg.segments in planner.segment_options(len(model.blocks)) and cfg.zero_stage == 0
+    assert p.predicted_peak_bytes <= 0.95 * p.budget_bytes  # the 5% headroom
+    assert p.explanation.startswith(f"Chosen: {cfg.describe()}")
+    assert "MiB" in p.explanation and "samples/s" in p.explanation
+    assert "<- chosen" in p.table()
+    fits = [c for c in p.candidates if c.fits]
+    assert len(fits) >= 2 and p.predicted_samples_per_s == max(c.samples_per_s for c in fits)
+    # every fitting candidate uses its largest micro-batch: the next divisor of the batch would not fit
+    for c in fits:
+        bigger = [m for m in range(c.config.micro_batch + 1, B + 1) if B % m == 0]
+        if bigger:
+            nxt = planner.Config(c.config.precision, bigger[0], B // bigger[0], c.config.segments, 0)
+            assert planner.predict_peak(p.measurements, nxt)["total"] > 0.95 * p.budget_bytes
+
+
+def test_the_chosen_plan_runs_within_budget_as_predicted(model, measured_plan):
+    peak, losses = run_and_measure(model, measured_plan.config)
+    assert peak <= measured_plan.budget_bytes
+    ratio = peak / measured_plan.predicted_peak_bytes
+    # with accumulation the prediction is within a few percent; a single micro-batch is overstated (safe side)
+    assert (0.97 if measured_plan.config.accumulation_steps > 1 else 0.8) <= ratio <= 1.03, ratio
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("cfg", [planner.Config("fp32", 4, 4, 1, 0), planner.Config("fp32", 8, 2, 2, 0),
+                                 planner.Config("bf16", 4, 4, 1, 0), planner.Config("bf16", 8, 2, 4, 0)],
+                         ids=lambda c: f"{c.precision}-m{c.micro_batch}-k{c.segments}")
+def test_predictions_match_measurements_with_accumulation(model, measured_plan, cfg):
+    peak, _ = run_and_measure(model, cfg)
+    predicted = planner.predict_peak(measured_plan.measurements, cfg)["total"]
+    assert 0.95 <= peak / predicted <= 1.03, f"{cfg.describe()}: measured {peak}, predicted {predicted}"
+
+
+def test_a_single_micro_batch_is_never_underpredicted(model, measured_plan):
+    for cfg in (planner.Config("fp32", B, 1, 1, 0), planner.Config("bf16", B, 1, 2, 0)):
+        peak, _ = run_and_measure(model, cfg)
+        predicted = planner.predict_peak(measured_plan.measurements, cfg)
+        assert peak <= 1.01 * predicted["total"]
+        assert peak >= predicted["total"] - predicted["grads"] - 0.02 * predicted["total"]  # off by <= the gradients
+
+
+def test_planning_leaves_the_model_as_it_was():
+    model = tiny(32, 2).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    planner.plan(model, (T,), 8, 64 * MiB)
+    assert not model.training
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert type(model.blocks) is torch.nn.Sequential and len(model.blocks) == 2
+
+
+def test_impossible_budgets_say_what_is_needed(model, measured_plan):
+    # below the model states: refused before any measurement
+    with pytest.raises(ValueError, match=r"nothing fits 1\.0 MiB .*states alone need \d+\.\d MiB"):
+        planner.plan(model, (T,), B, 1 * MiB)
+    # enough for the states, not for the smallest step: the error names that configuration and its bytes
+    meas = measured_plan.measurements
+    states = meas.param_bytes + meas.grad_bytes + meas.optimizer_bytes
+    budget = int(states / 0.95) + 1
+    with pytest.raises(ValueError, match=r"smallest configuration \(.*micro-batch 1 x 16.*\) needs (\d+\.\d) MiB") as e:
+        planner.plan(model, (T,), B, budget)
+    needed = float(e.value.args[0].split(" needs ")[1].split(" MiB")[0])
+    assert needed * MiB > 0.95 * budget
+    assert "Use a budget of at least" in str(e.value)
+
+
+def test_bad_arguments_are_clear_errors(model):
+    with pytest.raises(ValueError, match="does not split evenly over 4 ranks: use a multiple of 4"):
+        planner.plan(model, (T,), 10, 64 * MiB, world_size=4)
+    with pytest.raises(ValueError, match=r"samples of shape \(seq_len,\)"):
+        planner.plan(model, (3, 32, 32), B, 64 * MiB)
+    with pytest.raises(ValueError, match="positive budget"):
+        planner.plan(model, (T,), B, 0)
+    with pytest.raises(ValueError, match="needs 16"):
+        x, y = make_tokens(8, T)
+        planner.train_step(model, lm_loss, x, y, torch.optim.Adam(model.parameters()),
+                           planner.Config("fp32", 4, 4, 1, 0))
+
+
+def test_more_ranks_shard_the_states_and_make_room():
+    model = tiny(128, 4)
+    states = 4 * memory.param_bytes(model)
+    budget = int(0.8 * states)  # the states alone do not fit one device
+    with pytest.raises(ValueError, match="states alone"):
+        planner.plan(model, (T,), B, budget)
+    p = planner.plan(model, (T,), B, budget, world_size=4)
+    assert p.config.zero_stage >= 1 and p.predicted_peak_bytes <= 0.95 * budget
+    assert p.config.micro_batch * p.config.accumulation_steps == B // 4
+    # per-rank states fall stage by stage (chapter 08): optimizer state, then gradients, then parameters
+    meas = p.measurements
+    peaks = [planner.predict_peak(meas, planner.Config("fp32", 1, 4, 1, s), 4) for s in range(4)]
+    assert peaks[1]["optimizer"] == pytest.approx(meas.optimizer_bytes / 4, rel=1e-6)
+    assert peaks[2]["grads"] == pytest.approx(meas.grad_bytes / 4, rel=1e-6)
+    assert peaks[3]["params"] == pytest.approx(meas.param_bytes / 4, rel=1e-6)
+    states_per_stage = [q["params"] + q["grads"] + q["optimizer"] for q in peaks]
+    assert states_per_stage == sorted(states_per_stage, reverse=True)
+    # ... and communication is 1x, 1x, (A+1)/2 x, 1.5 A x of DDP's all-reduce
+    cfgs = [planner.Config("fp32", 1, 4, 1, s) for s in range(4)]
+    comm = [planner.comm_bytes(meas.param_bytes, c, 4) for c in cfgs]
+    assert comm[1] == comm[0] and comm[2] == pytest.approx(comm[0] * 5 / 2) and comm[3] == pytest.approx(comm[0] * 6)
+    assert planner.comm_bytes(meas.param_bytes, cfgs[3], 1) == 0
+
+
+def test_segment_options_and_checkpoint_wrapper(model):
+    assert planner.segment_options(1) == [1]
+    assert planner.segment_options(4) == [1, 2, 4]
+    assert planner.segment_options(8) == [1, 2, 3, 4, 8]
+    wrapped = planner.with_checkpointing(model, 2)
+    assert wrapped is not model and type(model.blocks) is torch.nn.Sequential  # the original keeps its blocks
+    assert [p.data_ptr() for p in wrapped.parameters()] == [p.data_ptr() for p in model.parameters()]
+    x, y = make_tokens(4, T)
+    torch.testing.assert_close(wrapped(x), model(x))
+
+
+@pytest.mark.parametrize("net", [ResNet(width=8), MLP(hidden=(64,))], ids=["resnet", "mlp"])
+def test_image_models_get_image_batches(net):
+    p = planner.plan(net, (3, 32, 32), 16, 32 * MiB)
+    assert p.config.segments == 1  # no `blocks` to checkpoint
+    assert p.measurements.batch_bytes_per_sample == 3 * 32 * 32 * 4 + 8  # an fp32 image and an int64 label
