@@ -107,7 +107,9 @@ class MABN2d(nn.Module):
     statistics alone. Pair it with ``CenConv2d`` (see ``centralize_convs``): without centring, the
     second moment equals the variance only if the inputs have mean near zero.
     Defaults (momentum 0.98, clip 5, warm-ups 100 and 1000 steps) are those of the authors' release.
-    A training-mode forward must be followed by its backward before the next one (as in ``fit``).
+    A training-mode forward must be followed by its backward before the next one (as in ``fit``); like
+    BN's running statistics, the buffers advance on every training-mode forward, so a forward re-run by
+    activation checkpointing (chapter 05) advances them twice.
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.98, buffer_size: int = 16,
@@ -147,7 +149,8 @@ class MABN2d(nn.Module):
             psi = self.stat_buffer.mean(0) if use_sma else chi
             inv_s = torch.rsqrt(psi + self.eps)
             if self.step >= self.renorm_warmup:
-                r = (torch.sqrt(psi + self.eps) * torch.rsqrt(self.running_var + self.eps)).clamp(1 / self.clip, self.clip)
+                r = torch.sqrt(psi + self.eps) * torch.rsqrt(self.running_var + self.eps)
+                r = r.clamp(1 / self.clip, self.clip)
             else:
                 r = torch.ones_like(psi)
             self.running_var.mul_(self.momentum).add_(psi, alpha=1 - self.momentum)

@@ -1,0 +1,108 @@
+"""Chapter 04: what MABN costs in training, and what folding saves at inference.
+
+- ``mabn_over_bn_step``: one SGD training step of the chapter's ResNet (width 16, batch 32) with MABN and
+  weight-centralised convolutions, over the same step with ``nn.BatchNorm2d``. Goal: at most 1.5x, the
+  price of computing MABN's statistics in Python ops rather than one fused kernel.
+- ``*_infer``: one inference forward pass (batch 64) of GroupNorm, unfolded BN and folded MABN, over
+  folded BN (the fastest: convolutions and ReLUs only).
+
+Runs on the GPU when there is one, else on the CPU. Each figure is the best of several interleaved
+rounds of medians, so a busy moment on a shared machine hits every model alike.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from course_lib import norms
+from course_lib.models import ResNet
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _median_time(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up: allocations, kernel selection
+    times = []
+    for _ in range(repeats):
+        _sync()
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def _best_of_rounds(fns: dict[str, Callable[[], object]], rounds: int = 3, repeats: int = 7) -> dict[str, float]:
+    best = {name: float("inf") for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            best[name] = min(best[name], _median_time(fn, repeats))
+    return best
+
+
+def _resnet(kind: str) -> nn.Module:
+    net = ResNet(16, norm_layer=lambda c: norms.make_norm(kind, c))
+    return (norms.centralize_convs(net) if kind == "mabn" else net).to(DEVICE)
+
+
+def _train_step(net: nn.Module, batch: int) -> Callable[[], object]:
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    x = torch.randn(batch, 3, 32, 32, device=DEVICE)
+    y = torch.randint(0, 10, (batch,), device=DEVICE)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+
+    return step
+
+
+def _randomised_eval(net: nn.Module) -> nn.Module:
+    with torch.no_grad():  # non-trivial running statistics, as after training
+        for m in net.modules():
+            if isinstance(m, (nn.BatchNorm2d, norms.MABN2d)):
+                m.running_var.uniform_(0.5, 2)
+    return net.eval()
+
+
+def run() -> dict[str, dict]:
+    torch.manual_seed(0)
+    train = _best_of_rounds({k: _train_step(_resnet(k), 32) for k in ("bn", "mabn")})
+    x = torch.randn(64, 3, 32, 32, device=DEVICE)
+    models = {
+        "bn": _randomised_eval(_resnet("bn")),
+        "folded_bn": norms.fold_model(_randomised_eval(_resnet("bn"))),
+        "folded_mabn": norms.fold_model(_randomised_eval(_resnet("mabn"))),
+        "gn": _resnet("gn").eval(),
+    }
+
+    def infer(model: nn.Module) -> Callable[[], object]:
+        def forward() -> None:
+            with torch.inference_mode():
+                model(x)
+        return forward
+
+    infer_t = _best_of_rounds({k: infer(m) for k, m in models.items()})
+    base = infer_t["folded_bn"]
+    return {
+        "mabn_over_bn_step": {"value": train["mabn"] / train["bn"], "goal": "<= 1.5"},
+        "gn_over_folded_bn_infer": {"value": infer_t["gn"] / base, "goal": None},
+        "bn_over_folded_bn_infer": {"value": infer_t["bn"] / base, "goal": None},
+        "folded_mabn_over_folded_bn_infer": {"value": infer_t["folded_mabn"] / base, "goal": None},
+    }
+
+
+if __name__ == "__main__":
+    for name, entry in run().items():
+        print(f"{name:>34}: {entry['value']:.3f}  (goal {entry['goal'] or '-'})")
