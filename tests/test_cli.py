@@ -34,15 +34,20 @@ def test_find_notebooks_by_prefix():
     assert [p.name for p in runner.find_notebooks(["01"])] == ["01_memory_anatomy.ipynb"]
 
 
-def test_runner_writes_results_and_report(tmp_path):
-    nb = tmp_path / "00_tiny.ipynb"
+def _tiny_notebook(path: Path, code: str) -> Path:
+    """A notebook with a parameters cell and one code cell."""
     import nbformat
 
     book = nbformat.v4.new_notebook()
     book.cells = [nbformat.v4.new_code_cell("PROFILE = None", metadata={"tags": ["parameters"]}),
-                  nbformat.v4.new_code_cell("from course_lib.report import record\nrecord('ch99/profile', PROFILE)")]
+                  nbformat.v4.new_code_cell(code)]
     book.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nbformat.write(book, nb)
+    nbformat.write(book, path)
+    return path
+
+
+def test_runner_writes_results_and_report(tmp_path):
+    nb = _tiny_notebook(tmp_path / "00_tiny.ipynb", "from course_lib.report import record\nrecord('ch99/profile', PROFILE)")
     runs = []
     result = runner.execute(nb, "smoke", tmp_path / "out")
     runs.append(result)
@@ -54,14 +59,7 @@ def test_runner_writes_results_and_report(tmp_path):
 
 
 def test_runner_reports_a_failing_notebook(tmp_path):
-    import nbformat
-
-    nb = tmp_path / "00_broken.ipynb"
-    book = nbformat.v4.new_notebook()
-    book.cells = [nbformat.v4.new_code_cell("PROFILE = None", metadata={"tags": ["parameters"]}),
-                  nbformat.v4.new_code_cell("raise RuntimeError('boom')")]
-    book.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nbformat.write(book, nb)
+    nb = _tiny_notebook(tmp_path / "00_broken.ipynb", "raise RuntimeError('boom')")
     result = runner.execute(nb, "smoke", tmp_path / "out")
     assert result["error"] and "boom" in result["error"]
     with pytest.raises(ValueError):
