@@ -240,6 +240,15 @@ def test_centralize_convs_replaces_every_conv():
     assert convs and all(isinstance(m, norms.CenConv2d) for m in convs)
 
 
+def test_centralize_convs_can_skip_named_convs():
+    net = norms.centralize_convs(ResNet(8), skip=("stem.0",))
+    assert type(net.stem[0]) is nn.Conv2d
+    others = [m for name, m in net.named_modules() if isinstance(m, nn.Conv2d) and name != "stem.0"]
+    assert others and all(isinstance(m, norms.CenConv2d) for m in others)
+    with pytest.raises(ValueError, match="no module named"):
+        norms.centralize_convs(ResNet(8), skip=("stem.9",))
+
+
 # ----- folding -------------------------------------------------------------------------
 
 
