@@ -14,6 +14,11 @@ So an all-reduce costs about twice the gradient per rank whatever N is: the
 reason data parallelism scales. The counts are what the algorithm sends, not
 what a library happens to do (gloo may pick another algorithm);
 ``ring_all_reduce`` is the hand-written ring whose real sends match the formula.
+
+Flat-tensor reduce-scatter and all-gather go through ``reduce_scatter_single``
+and ``all_gather_single``: the names torch 2.14 gives to what earlier releases
+(and much of the literature) call ``reduce_scatter_tensor`` and
+``all_gather_into_tensor``.
 """
 
 from __future__ import annotations
@@ -80,7 +85,7 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: ReduceOp.RedOpType 
                          f"output {out.numel()} = {world * out.numel()}; pad the flat tensor to a multiple of {world}")
     if counter is not None:
         counter.add("reduce_scatter", ring_factor("reduce_scatter", world) * nbytes(inp))
-    return dist.reduce_scatter_tensor(out, inp, op=op, group=group, async_op=async_op)
+    return dist.reduce_scatter_single(out, inp, op=op, group=group, async_op=async_op)
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, counter: ByteCounter | None = None,
@@ -92,7 +97,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, counter: ByteCounter | None
                          f"input {inp.numel()} = {world * inp.numel()}")
     if counter is not None:
         counter.add("all_gather", ring_factor("all_gather", world) * nbytes(out))
-    return dist.all_gather_into_tensor(out, inp, group=group, async_op=async_op)
+    return dist.all_gather_single(out, inp, group=group, async_op=async_op)
 
 
 def broadcast(t: torch.Tensor, src: int, counter: ByteCounter | None = None,
