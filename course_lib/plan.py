@@ -15,30 +15,32 @@ since each term in it is affine in ``m``. Checkpointing is derived from the
 bytes one block saves (Chen et al. 2016: ``k - 1`` segment inputs kept, at
 most ``ceil(n/k)`` blocks rebuilt at once); ZeRO divides the states (chapter 08).
 
+``calibrate`` (in ``course_lib.calibrate``) measures the model once;
+``course_lib.step`` runs a configuration, so a plan can be checked.
+
 Time is relative, since timings on a busy machine are noisy:
 ``A (alpha + beta m)(1 + recompute) + update + communication / bandwidth``.
 """
 
 from __future__ import annotations
 
-import copy
 import math
-from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from course_lib import memory
-from course_lib.checkpointing import checkpointed_sequential, fastest_times, recomputed_blocks, segment_plan
-from course_lib.models import lm_loss
+from course_lib.calibrate import BatchFn, Measurements, calibrate, default_batch
+from course_lib.checkpointing import recomputed_blocks, segment_plan
+# Re-exported: the capstone runs and measures configurations through this module.
+from course_lib.step import Config, LossFn, autocast, measure_peak, train_step, with_checkpointing
+
+__all__ = ["Candidate", "Config", "Measurements", "Plan", "autocast", "calibrate", "comm_bytes", "default_batch",
+           "measure_peak", "plan", "predict_peak", "predict_step_time", "segment_options", "train_step",
+           "with_checkpointing"]
 
 MiB = 2**20
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-BatchFn = Callable[[int], "tuple[torch.Tensor, torch.Tensor]"]
 # A backward costs about two forwards (6N FLOPs per token, 2N forward + 4N backward;
 # Kaplan et al. 2020, section 2.1): rerunning a forward costs a third of a step.
 FORWARD_SHARE = 1 / 3
@@ -49,42 +51,6 @@ DEFAULT_BANDWIDTH = 25e9
 # allocators fragment: plan for 95% of the budget.
 DEFAULT_HEADROOM = 0.05
 TIMING_MAX_MICRO = 64  # larger timed passes would slow planning and add little
-
-
-@dataclass(frozen=True)
-class Config:
-    """One way to run a training step on each rank."""
-
-    precision: str          # "fp32", or "bf16" autocast (weights, gradients, optimizer state stay fp32)
-    micro_batch: int
-    accumulation_steps: int
-    segments: int           # checkpoint segments over ``model.blocks``; 1 = no checkpointing
-    zero_stage: int         # 0 = plain data parallel (or one device)
-
-    def describe(self) -> str:
-        ckpt = "no checkpointing" if self.segments == 1 else f"checkpointing in {self.segments} segments"
-        return (f"{self.precision}, micro-batch {self.micro_batch} x {self.accumulation_steps} accumulation "
-                f"steps, {ckpt}, ZeRO stage {self.zero_stage}")
-
-
-@dataclass
-class Measurements:
-    """What ``calibrate`` measured; the inputs of ``predict_peak`` and ``predict_step_time``."""
-
-    n_blocks: int
-    param_bytes: int
-    grad_bytes: int
-    optimizer_bytes: int
-    unit_bytes: int                          # parameters of the largest block (ZeRO-2/3 hold it whole in flight)
-    batch_bytes_per_sample: int              # inputs + targets
-    fb: dict[str, tuple[float, float]]       # precision -> (c, d): forward+backward peak above the states
-    block: dict[str, tuple[float, float]]    # precision -> (c, d): bytes one block saves for backward
-    boundary_per_sample: dict[str, float]    # precision -> bytes of one block's output per sample
-    time: dict[str, tuple[float, float]]     # precision -> (alpha, beta): seconds of one micro-batch
-    timing_micro: int                        # the second micro-batch the time line was measured at
-    optimizer_tmp_bytes: int
-    optimizer_s: float
-    block_flop_share: float                  # fraction of the forward FLOPs spent in ``model.blocks``
 
 
 @dataclass
@@ -121,167 +87,6 @@ class Plan:
             rows.append(f"{c.config.precision:>9} {c.config.segments:>8} {c.config.zero_stage:>4} {m:>5} {a:>5} "
                         f"{c.peak['total'] / MiB:9.1f} {c.samples_per_s:9.1f}{note}")
         return "\n".join(rows)
-
-
-# ----- running a configuration --------------------------------------------------------
-
-
-def autocast(precision: str, device: torch.device | str):
-    """bf16 autocast for ``"bf16"``, nothing for ``"fp32"``."""
-    if precision not in ("fp32", "bf16"):
-        raise ValueError(f"unknown precision {precision!r}: choose 'fp32' or 'bf16'")
-    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
-
-
-def with_checkpointing(model: nn.Module, segments: int) -> nn.Module:
-    """``model`` with its ``blocks`` checkpointed in ``segments`` segments, same parameters (1: the model itself)."""
-    if segments == 1:
-        return model
-    if not isinstance(getattr(model, "blocks", None), nn.Sequential):
-        raise ValueError("checkpointing needs a model whose `blocks` attribute is an nn.Sequential")
-    wrapped = copy.copy(model)
-    wrapped._modules = dict(model._modules)  # its own module table: the original keeps its plain blocks
-    wrapped.blocks = checkpointed_sequential(model.blocks, segments)
-    return wrapped
-
-
-def train_step(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
-               optimizer: torch.optim.Optimizer, config: Config) -> float:
-    """One optimizer step of ``config`` on one rank's batch (``model`` from ``with_checkpointing``); the mean loss."""
-    if len(inputs) != config.micro_batch * config.accumulation_steps:
-        raise ValueError(f"the batch has {len(inputs)} samples; {config.describe()} needs "
-                         f"{config.micro_batch * config.accumulation_steps}")
-    optimizer.zero_grad(set_to_none=True)
-    total = 0.0
-    for x, y in zip(inputs.split(config.micro_batch), targets.split(config.micro_batch)):
-        with autocast(config.precision, inputs.device):
-            loss = loss_fn(model(x), y) / config.accumulation_steps  # equal micro-batches, equal weights
-        loss.backward()  # frees this micro-batch's activations before the next forward
-        total += loss.item()
-    optimizer.step()
-    return total
-
-
-def measure_peak(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
-                 optimizer: torch.optim.Optimizer, config: Config) -> int:
-    """Measured peak bytes of one ``train_step``, counted as ``predict_peak`` counts (states + batch + transients).
-
-    Call it after a first step (Adam makes its state then). The gradients are freed
-    first: the CPU profiler cannot see the free of a tensor made before it started.
-    """
-    optimizer.zero_grad(set_to_none=True)
-    resident = (memory.param_bytes(model) + memory.optimizer_state_bytes(optimizer)
-                + memory.tensor_bytes(inputs) + memory.tensor_bytes(targets))
-    step = lambda: train_step(model, loss_fn, inputs, targets, optimizer, config)  # noqa: E731
-    return resident + memory.peak_bytes(step, inputs.device)
-
-
-# ----- measuring once --------------------------------------------------------------------
-
-
-def default_batch(model: nn.Module, sample_shape: tuple[int, ...],
-                  device: torch.device | str) -> tuple[BatchFn, LossFn]:
-    """Random batches and a loss: token ids and ``lm_loss`` for a model with an embedding (``sample_shape =
-    (seq_len,)``), else inputs of ``sample_shape`` (e.g. ``(3, 32, 32)``) and cross-entropy over its outputs."""
-    gen = torch.Generator().manual_seed(0)  # private: planning leaves the global RNG alone
-    emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
-    if emb is not None:
-        if len(sample_shape) != 1:
-            raise ValueError(f"a token model takes samples of shape (seq_len,), got {tuple(sample_shape)}")
-        def tokens(m: int):
-            idx = torch.randint(0, emb.num_embeddings, (m, sample_shape[0] + 1), generator=gen)
-            return idx[:, :-1].to(device), idx[:, 1:].to(device)
-        return tokens, lm_loss
-    with torch.no_grad():
-        classes = model(torch.zeros(1, *sample_shape, device=device)).shape[-1]
-    return (lambda m: (torch.randn(m, *sample_shape, generator=gen).to(device),
-                       torch.randint(0, classes, (m,), generator=gen).to(device))), F.cross_entropy
-
-
-def _line(x1: float, y1: float, x2: float, y2: float) -> tuple[float, float]:
-    d = (y2 - y1) / (x2 - x1)
-    return y1 - d * x1, d
-
-
-def calibrate(model: nn.Module, make_batch: BatchFn, loss_fn: LossFn, device: torch.device,
-              precisions: tuple[str, ...], max_micro: int, budget: int) -> Measurements:
-    """Measure ``model`` in place on ``device`` (Adam with ``lr=0`` leaves the weights, buffers are restored).
-
-    Memory at micro-batches 1 and 2; time at 1 and at the largest power of two up
-    to ``max_micro`` whose predicted peak fits ``budget`` (in every precision).
-    """
-    blocks = model.blocks if isinstance(getattr(model, "blocks", None), nn.Sequential) else nn.Sequential()
-    was_training = model.training
-    buffers = {k: v.clone() for k, v in model.named_buffers()}  # BatchNorm's running statistics
-    model.train()
-    opt = torch.optim.Adam(model.parameters(), lr=0.0)  # lr=0: the same state and temporaries, no update
-    x1, y1 = make_batch(1)
-    fb, blk, bnd, passes = {}, {}, {}, {}
-    try:
-        for prec in precisions:
-            def fwd_bwd(x, y, prec=prec):
-                with autocast(prec, device):
-                    loss = loss_fn(model(x), y)
-                loss.backward()
-            fwd_bwd(x1, y1)
-            opt.step()  # gradients and Adam's state exist from here on: measured above them
-            peaks, saved = [], []
-            for m in (1, 2):
-                x, y = make_batch(m)
-                peaks.append(memory.peak_bytes(lambda: fwd_bwd(x, y), device))
-                if len(blocks):  # what one block saves, and its output (a segment boundary)
-                    h = []
-                    hook = blocks.register_forward_pre_hook(lambda mod, args: h.append(args[0].detach()))
-                    with torch.no_grad():
-                        model(x)
-                    hook.remove()
-                    with autocast(prec, device):
-                        saved.append(memory.saved_activation_bytes(lambda: blocks[0](h[0]), blocks[0].parameters()))
-                        bnd[prec] = memory.tensor_bytes(blocks[0](h[0])) / m
-            fb[prec] = _line(1, peaks[0], 2, peaks[1])
-            blk[prec] = _line(1, saved[0], 2, saved[1]) if saved else (0.0, 0.0)
-            passes[prec] = fwd_bwd
-        opt_tmp = memory.peak_bytes(opt.step, device)
-        states = memory.param_bytes(model) + memory.grad_bytes(model) + memory.optimizer_state_bytes(opt)
-        batch_bytes = sum(memory.tensor_bytes(t) for t in (x1, y1))
-        fits = lambda m: all(states + batch_bytes * m + c + d * m <= budget for c, d in fb.values())  # noqa: E731
-        tm = max([2**i for i in range(int(math.log2(max_micro)) + 1) if fits(2**i)], default=1)
-        xt, yt = make_batch(tm)
-        sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-        steps = {"opt": lambda: (opt.step(), sync())}
-        for prec, f in passes.items():
-            steps[f"{prec}/1"] = lambda f=f: (f(x1, y1), sync())
-            steps[f"{prec}/{tm}"] = lambda f=f: (f(xt, yt), sync())
-        best = fastest_times(steps, repeats=3)  # in turns, fastest of three: the least disturbed run
-        share = 0.0
-        if len(blocks):  # the FLOP share of the blocks: what checkpointing reruns
-            h = []
-            hook = blocks.register_forward_pre_hook(lambda mod, args: h.append(args[0]))
-            with torch.no_grad(), FlopCounterMode(display=False) as total_flops:
-                model(x1)
-            hook.remove()
-            with torch.no_grad(), FlopCounterMode(display=False) as block_flops:
-                blocks(h[0])
-            share = block_flops.get_total_flops() / max(total_flops.get_total_flops(), 1)
-        counts = dict(param_bytes=memory.param_bytes(model), grad_bytes=memory.grad_bytes(model),
-                      optimizer_bytes=memory.optimizer_state_bytes(opt))
-    finally:
-        opt.zero_grad(set_to_none=True)
-        del opt
-        with torch.no_grad():
-            for k, v in model.named_buffers():
-                v.copy_(buffers[k])
-        model.train(was_training)
-    times = {}
-    for prec in precisions:
-        t1, tb = best[f"{prec}/1"], best[f"{prec}/{tm}"]
-        alpha, beta = _line(1, t1, tm, tb) if tm > 1 else (0.0, t1)
-        # noise can make the slope <= 0: keep it positive, so a larger micro-batch never looks slower
-        times[prec] = (max(alpha, 0.0), max(beta, 1e-3 * tb / tm))
-    units = [memory.param_bytes(b) for b in blocks] or [memory.param_bytes(c) for c in model.children()] or [0]
-    return Measurements(n_blocks=len(blocks), **counts, unit_bytes=max(units), batch_bytes_per_sample=batch_bytes,
-                        fb=fb, block=blk, boundary_per_sample=bnd, time=times, timing_micro=tm,
-                        optimizer_tmp_bytes=opt_tmp, optimizer_s=best["opt"], block_flop_share=share)
 
 
 # ----- predicting -------------------------------------------------------------------------
