@@ -66,21 +66,26 @@ def gantt(timings: Sequence, num_stages: int, title: str, time_unit: str = "time
           colors: Mapping[str, str] | None = None) -> Figure:
     """A pipeline Gantt chart: one row per stage (stage 0 on top), one bar per op, its micro-batch written in it.
 
-    ``timings`` holds objects with ``stage, op, microbatch, start, end`` attributes
-    (``pipeline.OpTiming``) or tuples in that order; ``op`` is ``"F"``, ``"B"`` or ``"W"``.
-    White space between bars is the bubble (chapter 07).
+    ``timings`` holds objects with ``stage, op, microbatch, start, end`` (and ``chunk``)
+    attributes (``pipeline.OpTiming``) or tuples in that order; ``op`` is ``"F"``,
+    ``"B"`` or ``"W"``. In an interleaved schedule a bar reads ``3b``: micro-batch 3 on
+    the device's second model chunk, drawn lighter. White space between bars is the bubble (chapter 07).
     """
     colors = dict(colors or {"F": "tab:blue", "B": "tab:orange", "W": "tab:green"})
     names = {"F": "forward", "B": "backward", "W": "weight gradient"}
-    rows = [(t.stage, t.op, t.microbatch, t.start, t.end) if hasattr(t, "stage") else tuple(t) for t in timings]
+    rows = [(t.stage, t.op, t.microbatch, t.start, t.end, getattr(t, "chunk", 0)) if hasattr(t, "stage")
+            else (*tuple(t), 0)[:6] for t in timings]
+    chunks = 1 + max((r[5] for r in rows), default=0)
     fig, ax = plt.subplots(figsize=(9, 0.5 * num_stages + 1.6))
     seen: set[str] = set()
-    for stage, op, mb, start, end in rows:
+    for stage, op, mb, start, end, chunk in rows:
         ax.broken_barh([(start, end - start)], (stage - 0.4, 0.8), facecolors=colors.get(op, "tab:gray"),
-                       edgecolor="white", linewidth=0.5, label=None if op in seen else names.get(op, op))
+                       alpha=1.0 - 0.45 * chunk / max(chunks - 1, 1), edgecolor="white", linewidth=0.5,
+                       label=None if op in seen else names.get(op, op))
         seen.add(op)
         if end - start > 0:
-            ax.text((start + end) / 2, stage, str(mb), ha="center", va="center", fontsize=7, color="white")
+            label = f"{mb}{'abcdefgh'[chunk % 8]}" if chunks > 1 else str(mb)
+            ax.text((start + end) / 2, stage, label, ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(range(num_stages), [f"stage {s}" for s in range(num_stages)])
     ax.set_ylim(num_stages - 0.5, -0.5)  # stage 0 on top, as data flows down the page
     ax.set(title=title, xlabel=f"time ({time_unit})", ylabel="pipeline stage")

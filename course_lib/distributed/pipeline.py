@@ -14,6 +14,11 @@ weight-gradient half of the backward split off from ``B``.
   the previous stage waits for) and ``W`` (weight gradient, which nobody waits
   for); postponed ``W`` ops fill the cool-down where 1F1B idles (Qi et al.
   2024, "Zero Bubble Pipeline Parallelism", schedule ZB-H1).
+- ``interleaved``: each device holds ``v`` non-consecutive chunks of the
+  model (device ``d`` holds virtual stages ``d, d + p, ..., d + (v-1) p``),
+  and runs 1F1B over them (Narayanan et al. 2021, section 2.2). Ops carry
+  their chunk: ``("F", i, c)``. The bubble shrinks ``v`` times, for ``v``
+  times the point-to-point messages.
 
 ``simulate`` plays a schedule with fixed op durations, respecting the data
 dependencies between stages, and reports the makespan, the bubble (idle share
@@ -26,9 +31,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-Op = tuple[str, int]                  # ("F" | "B" | "W", micro-batch index)
-Schedule = list[list[Op]]             # one op list per stage
-KINDS = ("gpipe", "1f1b", "zb-h1")
+Op = tuple                            # ("F" | "B" | "W", micro-batch index[, model chunk])
+Schedule = list[list[Op]]             # one op list per stage (per device when interleaved)
+KINDS = ("gpipe", "1f1b", "zb-h1", "interleaved")
 
 
 def _check_sizes(num_stages: int, num_microbatches: int) -> None:
@@ -92,21 +97,76 @@ def zero_bubble_h1_order(num_stages: int, num_microbatches: int, stage: int) -> 
     return order
 
 
-_ORDERS = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order, "zb-h1": zero_bubble_h1_order}
+def interleaved_order(num_stages: int, num_microbatches: int, stage: int, chunks: int = 2) -> list[Op]:
+    """Interleaved 1F1B order of one device holding ``chunks`` model chunks (Narayanan et al. 2021, 2.2).
+
+    Micro-batches go through in groups of ``p``: a device runs the forwards of
+    one group on chunk 0, then on chunk 1, ..., then the next group; backwards
+    the same way, chunks in reverse. Device ``d`` first runs ``2 (p - d - 1) +
+    (v - 1) p`` warm-up forwards (enough to keep it busy until its first
+    backward can arrive), then alternates, then drains. Needs ``m`` to be a
+    multiple of ``p``, as the groups do.
+    """
+    _check_sizes(num_stages, num_microbatches)
+    p, m, v = num_stages, num_microbatches, chunks
+    if not isinstance(v, int) or v < 1:
+        raise ValueError(f"chunks must be a positive integer; got {v!r}")
+    if m % p:
+        raise ValueError(f"interleaved 1F1B sends micro-batches in groups of p = {p}: use a number of "
+                         f"micro-batches that is a multiple of {p} (got {m})")
+    if not 0 <= stage < p:
+        raise ValueError(f"stage must be in [0, {p}); got {stage}")
+
+    def nth(k: int, backward: bool) -> tuple[int, int]:
+        """The micro-batch and chunk of this device's k-th forward (or backward)."""
+        group, pos = divmod(k, p * v)
+        chunk = pos // p
+        return group * p + pos % p, (v - 1 - chunk) if backward else chunk
+
+    total = m * v
+    # with one chunk this is 1F1B's p - d - 1; with more, each chunk's forward must reach the last device
+    warmup = min(total, (p - stage - 1) if v == 1 else 2 * (p - stage - 1) + (v - 1) * p)
+    order: list[Op] = [("F", *nth(k, False)) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [("F", *nth(warmup + k, False)), ("B", *nth(k, True))]
+    order += [("B", *nth(k, True)) for k in range(total - warmup, total)]
+    return order
 
 
-def make_schedule(kind: str, num_stages: int, num_microbatches: int) -> Schedule:
-    """The per-stage op lists of a schedule: ``kind`` is ``"gpipe"``, ``"1f1b"`` or ``"zb-h1"``."""
+_ORDERS = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order, "zb-h1": zero_bubble_h1_order,
+           "interleaved": interleaved_order}
+
+
+def make_schedule(kind: str, num_stages: int, num_microbatches: int, chunks: int = 2) -> Schedule:
+    """The per-stage op lists of a schedule: ``kind`` is ``"gpipe"``, ``"1f1b"``, ``"zb-h1"`` or
+    ``"interleaved"`` (then ``chunks`` model chunks per device, and ops ``(op, micro-batch, chunk)``)."""
     if kind not in _ORDERS:
         raise ValueError(f"unknown schedule kind {kind!r}; choose one of {', '.join(KINDS)}")
     _check_sizes(num_stages, num_microbatches)
+    if kind == "interleaved":
+        return [interleaved_order(num_stages, num_microbatches, s, chunks) for s in range(num_stages)]
     return [_ORDERS[kind](num_stages, num_microbatches, s) for s in range(num_stages)]
 
 
-def bubble_formula(num_stages: int, num_microbatches: int) -> float:
-    """The idle share of a GPipe or 1F1B pipeline with uniform stages: (p - 1) / (m + p - 1)."""
+def bubble_formula(num_stages: int, num_microbatches: int, chunks: int = 1) -> float:
+    """The idle share of a GPipe or 1F1B pipeline with uniform stages: (p - 1) / (m + p - 1).
+
+    With ``chunks = v`` per device (interleaved 1F1B) the idle time is ``v``
+    times shorter: (p - 1) / (v m + p - 1).
+    """
     _check_sizes(num_stages, num_microbatches)
-    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+    _check_sizes(num_stages, chunks)
+    return (num_stages - 1) / (chunks * num_microbatches + num_stages - 1)
+
+
+def _triple(o: Op) -> tuple[str, int, int]:
+    """``(op, micro-batch, chunk)``: plain schedules have one chunk, 0."""
+    return (o[0], o[1], o[2] if len(o) == 3 else 0)
+
+
+def num_chunks(schedule: Schedule) -> int:
+    """Model chunks per device: 1, or ``v`` for an interleaved schedule."""
+    return 1 + max((_triple(o)[2] for order in schedule for o in order), default=0)
 
 
 def check_schedule(schedule: Schedule) -> tuple[int, int, bool]:
@@ -117,35 +177,37 @@ def check_schedule(schedule: Schedule) -> tuple[int, int, bool]:
     if not schedule or not all(isinstance(order, (list, tuple)) for order in schedule):
         raise ValueError("a schedule is a non-empty list with one list of (op, micro-batch) pairs per stage")
     for s, order in enumerate(schedule):
-        bad = [o for o in order if not isinstance(o, (list, tuple)) or len(o) != 2 or o[0] not in ("F", "B", "W")
-               or not isinstance(o[1], int) or o[1] < 0]
+        bad = [o for o in order if not isinstance(o, (list, tuple)) or len(o) not in (2, 3)
+               or o[0] not in ("F", "B", "W") or not all(isinstance(x, int) and x >= 0 for x in o[1:])]
         if bad:
-            raise ValueError(f"stage {s}: ops must be (op, micro-batch) pairs with op in ('F', 'B', 'W') and "
-                             f"micro-batch >= 0; got {bad[:3]}")
-    has_w = any(op == "W" for order in schedule for op, _ in order)
-    m = 1 + max((i for order in schedule for _, i in order), default=-1)
+            raise ValueError(f"stage {s}: ops must be (op, micro-batch) pairs, or (op, micro-batch, chunk) "
+                             f"triples, with op in ('F', 'B', 'W') and integers >= 0; got {bad[:3]}")
+    has_w = any(o[0] == "W" for order in schedule for o in order)
+    m = 1 + max((o[1] for order in schedule for o in order), default=-1)
+    v = num_chunks(schedule)
     ops = ("F", "B", "W") if has_w else ("F", "B")
-    expected = sorted((op, i) for op in ops for i in range(m))
+    expected = sorted((op, i, c) for op in ops for i in range(m) for c in range(v))
     for s, order in enumerate(schedule):
-        order = [tuple(o) for o in order]           # JSON gives lists; compare as tuples
+        order = [_triple(o) for o in order]         # JSON gives lists; compare as tuples
         if sorted(order) != expected:
             missing = sorted(set(expected) - set(order))
             repeated = sorted({o for o in order if order.count(o) > 1})
-            raise ValueError(f"stage {s} must run each of {ops} once for micro-batches 0..{m - 1}; "
+            raise ValueError(f"stage {s} must run each of {ops} once for micro-batches 0..{m - 1}"
+                             f"{f' and chunks 0..{v - 1}' if v > 1 else ''}; "
                              f"missing {missing[:4]}, repeated {repeated[:4]}")
     return len(schedule), m, has_w
 
 
 def inflight_counts(order: Sequence[Op]) -> list[int]:
-    """Micro-batches whose activations one stage holds after each op of its order.
+    """Micro-batches (micro-batch chunks, when interleaved) whose activations one stage holds after each op.
 
     A forward stores a micro-batch's activations; its backward frees them (its
     ``W`` when the backward is split, since the weight gradient still needs them).
     """
-    release = "W" if any(op == "W" for op, _ in order) else "B"
+    release = "W" if any(o[0] == "W" for o in order) else "B"
     counts, alive = [], 0
-    for op, _ in order:
-        alive += 1 if op == "F" else (-1 if op == release else 0)
+    for o in order:
+        alive += 1 if o[0] == "F" else (-1 if o[0] == release else 0)
         counts.append(alive)
     return counts
 
@@ -159,6 +221,7 @@ class OpTiming:
     microbatch: int
     start: float
     end: float
+    chunk: int = 0
 
 
 @dataclass
@@ -169,7 +232,8 @@ class SimResult:
     num_microbatches: int
     makespan: float
     bubble_fraction: float            # idle time of all stages / (p * makespan)
-    peak_inflight: list[int]          # most micro-batches alive at once, per stage
+    peak_inflight: list[float]        # most micro-batches alive at once, per stage (interleaved:
+                                      # chunks alive / v, in whole-stage activations)
     busy: list[float]                 # time each stage spent computing
     timings: list[OpTiming] = field(repr=False, default_factory=list)
 
@@ -186,21 +250,28 @@ def simulate(schedule: Schedule, t_forward: float = 1.0, t_backward: float = 2.0
     splits the backward, ``B`` takes ``t_backward - t_weight`` and ``W`` takes
     ``t_weight``, by default half each: for ``y = x A`` the input gradient
     ``dy A^T`` and the weight gradient ``x^T dy`` cost the same FLOPs.
+
+    The times are those of a whole stage. In an interleaved schedule each of a
+    device's ``v`` chunks takes ``1/v`` of them, and device ``d``'s chunk ``c``
+    is virtual stage ``c p + d``: its forward waits for virtual stage
+    ``c p + d - 1``, on the device before (device ``p - 1`` for ``d = 0``).
     """
     p, m, has_w = check_schedule(schedule)
+    v = num_chunks(schedule)
     if min(t_forward, t_backward, t_comm) < 0 or t_forward + t_backward <= 0:
         raise ValueError("op times must be non-negative and t_forward + t_backward positive")
     t_w = (t_backward / 2 if t_weight is None else t_weight) if has_w else 0.0
     if not 0 <= t_w <= t_backward:
         raise ValueError(f"t_weight must be within [0, t_backward={t_backward}]; got {t_weight}")
-    duration = {"F": t_forward, "B": t_backward - t_w, "W": t_w}
-    end: dict[tuple[str, int, int], float] = {}     # (op, stage, micro-batch) -> finish time
+    duration = {"F": t_forward / v, "B": (t_backward - t_w) / v, "W": t_w / v}
+    end: dict[tuple[str, int, int], float] = {}     # (op, virtual stage, micro-batch) -> finish time
     clock, nxt, timings = [0.0] * p, [0] * p, []
+    last = p * v - 1                                 # the last virtual stage
 
     def ready_at(op: str, s: int, i: int) -> float | None:
-        """When the inputs of ``op`` on stage ``s`` exist; ``None`` if not yet played."""
+        """When the inputs of ``op`` on virtual stage ``s`` exist; ``None`` if not yet played."""
         deps = {"F": [("F", s - 1, i, t_comm)] if s > 0 else [],
-                "B": [("F", s, i, 0.0)] + ([("B", s + 1, i, t_comm)] if s < p - 1 else []),
+                "B": [("F", s, i, 0.0)] + ([("B", s + 1, i, t_comm)] if s < last else []),
                 "W": [("B", s, i, 0.0)]}[op]
         if any(d[:3] not in end for d in deps):
             return None
@@ -211,13 +282,13 @@ def simulate(schedule: Schedule, t_forward: float = 1.0, t_backward: float = 2.0
         progress = False
         for s in range(p):
             while nxt[s] < len(schedule[s]):
-                op, i = schedule[s][nxt[s]]
-                ready = ready_at(op, s, i)
+                op, i, c = _triple(schedule[s][nxt[s]])
+                ready = ready_at(op, c * p + s, i)
                 if ready is None:
                     break                            # wait for another stage
                 start = max(clock[s], ready)
-                clock[s] = end[(op, s, i)] = start + duration[op]
-                timings.append(OpTiming(s, op, i, start, clock[s]))
+                clock[s] = end[(op, c * p + s, i)] = start + duration[op]
+                timings.append(OpTiming(s, op, i, start, clock[s], c))
                 nxt[s] += 1
                 progress = True
     stuck = [s for s in range(p) if nxt[s] < len(schedule[s])]
@@ -226,7 +297,7 @@ def simulate(schedule: Schedule, t_forward: float = 1.0, t_backward: float = 2.0
         raise ValueError(f"the schedule deadlocks: stage {s} waits forever at {schedule[s][nxt[s]]} "
                          "(an op is ordered before an op it depends on)")
     makespan = max(clock)
-    busy = [sum(duration[op] for op, _ in order) for order in schedule]
+    busy = [sum(duration[o[0]] for o in order) for order in schedule]
     bubble = 1.0 - sum(busy) / (p * makespan)
-    peak = [max(inflight_counts(order)) for order in schedule]
+    peak = [max(inflight_counts(order)) / v if v > 1 else max(inflight_counts(order)) for order in schedule]
     return SimResult(p, m, makespan, bubble, peak, busy, sorted(timings, key=lambda t: (t.stage, t.start)))

@@ -103,6 +103,10 @@ def run_stage(stage: nn.Module, order: Sequence[tuple[str, int]], rank: int, wor
     divided by their number, so the summed gradients equal those of the mean
     loss over the whole batch. ``op_seconds`` pads each op to a fixed time.
     """
+    if any(len(o) != 2 or o[0] not in ("F", "B") for o in order):
+        raise ValueError("this executor runs GPipe and 1F1B orders, one model chunk per device: (op, micro-batch) "
+                         "pairs with op 'F' or 'B'. Interleaved and zero-bubble schedules are simulated only "
+                         "(pipeline.simulate); torch.distributed.pipelining runs them (ScheduleInterleaved1F1B).")
     first, last = rank == 0, rank == world - 1
     num_mb = len({i for _, i in order})
     if first and (inputs is None or len(inputs) != num_mb):
