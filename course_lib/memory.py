@@ -19,6 +19,7 @@ import copy
 import os
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -297,13 +298,18 @@ def peak_bytes(fn: Callable[[], object], device: torch.device | str) -> int:
 
 
 @contextmanager
-def cuda_memory_history(path: str, max_entries: int = 100_000) -> Iterator[None]:
-    """Record CUDA allocations to a snapshot file for https://pytorch.org/memory_viz (GPU only)."""
-    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+def cuda_memory_history(path: str | Path, max_entries: int = 100_000, stacks: str = "python") -> Iterator[None]:
+    """Record CUDA allocations to a snapshot file for https://pytorch.org/memory_viz (GPU only).
+
+    ``stacks="python"`` keeps the Python stack of each allocation; ``"all"`` adds the
+    C++ frames, whose symbolisation can make the dump take minutes on a long run.
+    """
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks=stacks)
     try:
         yield
     finally:
-        torch.cuda.memory._dump_snapshot(path)
+        torch.cuda.memory._dump_snapshot(str(path))
         torch.cuda.memory._record_memory_history(enabled=None)
 
 
