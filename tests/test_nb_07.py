@@ -36,6 +36,16 @@ def test_zero_bubble_third_of_1f1b_idle(claims):
     assert claims["ch07/zb_idle_ratio_to_1f1b"] == pytest.approx(1 / 3, abs=1e-9)
 
 
+def test_interleaving_divides_the_idle_time_by_v(claims):
+    p = len(claims["ch07/sim_peak_inflight_gpipe"])
+    assert claims["ch07/interleaved_bubble_max_abs_error"] < 1e-12      # (p-1)/(v m + p - 1)
+    for v in (1, 2, 4):
+        assert claims[f"ch07/interleaved_idle_ratio_v{v}"] == pytest.approx(1 / v, abs=1e-9)
+        # the first device holds p (1 + (p-1)/(p v)) micro-batches' activations (Korthikanti et al. 2022)
+        held = p * (1 + (p - 1) / (p * v)) if v > 1 else p               # v = 1 is plain 1F1B
+        assert claims[f"ch07/interleaved_stage0_inflight_v{v}"] == pytest.approx(held)
+
+
 def test_pipelines_equal_the_sequential_model(claims):
     for key in ("byhand_grad_max_abs_diff", "exec_output_max_abs_diff", "exec_grad_max_abs_diff",
                 "torch_output_max_abs_diff", "torch_grad_max_abs_diff"):
