@@ -24,7 +24,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from course_lib import runner
 
     profile = env.pick_profile(args.profile)
-    runs = runner.run(args.notebooks or None, profile, Path(args.out))
+    runs = runner.run(args.notebooks or None, profile, Path(args.out), args.cell_timeout)
     failed = [r["notebook"] for r in runs if r["error"]]
     if failed:
         print(f"[course] {len(failed)} notebook(s) failed: {', '.join(failed)}", file=sys.stderr)
@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("notebooks", nargs="*", help="notebook files or number prefixes (default: all)")
     p.add_argument("--profile", choices=env.PROFILES, help="default: $COURSE_PROFILE, else gpu with CUDA, else cpu")
     p.add_argument("--out", default="build", help="output folder (default: build)")
+    p.add_argument("--cell-timeout", type=int, default=None, metavar="S",
+                   help="seconds one cell may run (default: 900 at smoke, 3 hours at cpu, 1 hour at gpu)")
     p.set_defaults(func=_cmd_run)
     p = sub.add_parser("doctor", help="versions, device, datasets, and what to fix")
     p.set_defaults(func=_cmd_doctor)

@@ -40,8 +40,17 @@ def find_notebooks(names: list[str] | None = None) -> list[Path]:
     return chosen
 
 
-def execute(notebook: Path, profile: str, out: Path, timeout: int = 1800) -> dict:
-    """Run one notebook with papermill; return ``{"notebook", "seconds", "results", "error"}``."""
+# Seconds one cell may run before the run is stopped (papermill's execution_timeout): enough for the
+# longest experiment cell on a slow or shared machine (chapter 04 at `cpu`: ~20 minutes on two idle
+# cores, measured), short enough that a hung cell ends the run.
+CELL_TIMEOUT = {"smoke": 900, "cpu": 3 * 3600, "gpu": 3600}
+
+
+def execute(notebook: Path, profile: str, out: Path, timeout: int | None = None) -> dict:
+    """Run one notebook with papermill; return ``{"notebook", "seconds", "results", "error"}``.
+
+    ``timeout`` is the limit per cell in seconds (default: ``CELL_TIMEOUT[profile]``).
+    """
     import logging
 
     import papermill as pm
@@ -50,6 +59,7 @@ def execute(notebook: Path, profile: str, out: Path, timeout: int = 1800) -> dic
     logging.getLogger("papermill.translators").setLevel(logging.ERROR)
 
     check_profile(profile)
+    timeout = timeout or CELL_TIMEOUT[profile]
     stem = notebook.stem
     results_file = out / "results" / f"{stem}.jsonl"
     results_file.parent.mkdir(parents=True, exist_ok=True)
@@ -100,12 +110,12 @@ def write_report(runs: list[dict], profile: str, out: Path) -> Path:
     return path
 
 
-def run(names: list[str] | None, profile: str, out: Path) -> list[dict]:
+def run(names: list[str] | None, profile: str, out: Path, cell_timeout: int | None = None) -> list[dict]:
     """Execute the chosen notebooks in order and write the report; return one summary per notebook."""
     runs = []
     for nb in find_notebooks(names):
         print(f"[course] running {nb.name} at profile {profile} ...", flush=True)
-        r = execute(nb, profile, out)
+        r = execute(nb, profile, out, cell_timeout)
         status = "FAILED: " + r["error"].splitlines()[0][:300] if r["error"] else "ok"
         print(f"[course]   {r['seconds']:.0f} s, {len(r['results'])} claims recorded, {status}", flush=True)
         runs.append(r)

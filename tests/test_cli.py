@@ -64,3 +64,12 @@ def test_runner_reports_a_failing_notebook(tmp_path):
     assert result["error"] and "boom" in result["error"]
     with pytest.raises(ValueError):
         runner.execute(nb, "huge", tmp_path / "out")
+
+
+def test_runner_stops_a_hung_cell(tmp_path):
+    nb = _tiny_notebook(tmp_path / "00_hung.ipynb", "import time\ntime.sleep(600)")
+    result = runner.execute(nb, "smoke", tmp_path / "out", timeout=3)
+    assert result["error"] and "timed out" in result["error"]
+    assert result["seconds"] < 120
+    # the long cpu experiments get hours, smoke (CI) minutes
+    assert runner.CELL_TIMEOUT["smoke"] < runner.CELL_TIMEOUT["gpu"] < runner.CELL_TIMEOUT["cpu"]
