@@ -70,6 +70,10 @@ def execute(notebook: Path, profile: str, out: Path, timeout: int | None = None)
         "COURSE_RESULTS": str(results_file), "COURSE_FIGURES": str(out / "figures" / stem),
         "COURSE_PROFILE": profile, "COURSE_PROGRESS": "0", "PYDEVD_DISABLE_FILE_VALIDATION": "1",
     })
+    if profile == "smoke" and "OMP_NUM_THREADS" not in env_before:
+        # smoke runs in CI, on shared machines: there two intra-op threads wait on each other and made the
+        # tiny smoke models 5-100x slower (measured on a loaded 2-core machine); one thread is as fast when idle.
+        os.environ["OMP_NUM_THREADS"] = "1"
     start, error = time.perf_counter(), None
     try:
         pm.execute_notebook(

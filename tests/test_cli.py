@@ -1,6 +1,7 @@
 """The console script: bad input gets clear errors; the runner writes results and a report."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -47,12 +48,15 @@ def _tiny_notebook(path: Path, code: str) -> Path:
 
 
 def test_runner_writes_results_and_report(tmp_path):
-    nb = _tiny_notebook(tmp_path / "00_tiny.ipynb", "from course_lib.report import record\nrecord('ch99/profile', PROFILE)")
+    nb = _tiny_notebook(tmp_path / "00_tiny.ipynb", "from course_lib.report import record\nrecord('ch99/profile', PROFILE)\n"
+                        "import os\nrecord('ch99/omp', os.environ.get('OMP_NUM_THREADS'))")
     runs = []
     result = runner.execute(nb, "smoke", tmp_path / "out")
     runs.append(result)
     assert result["error"] is None
-    assert result["results"] == {"ch99/profile": "smoke"}  # papermill injected the profile
+    assert result["results"]["ch99/profile"] == "smoke"  # papermill injected the profile
+    if "OMP_NUM_THREADS" not in os.environ:
+        assert result["results"]["ch99/omp"] == "1"  # smoke kernels run one intra-op thread
     runner.write_report(runs, "smoke", tmp_path / "out")
     assert json.loads((tmp_path / "out" / "results.json").read_text())["notebooks"]["00_tiny.ipynb"]["results"]
     assert "`ch99/profile`" in (tmp_path / "out" / "report.md").read_text()
