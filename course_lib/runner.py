@@ -41,8 +41,8 @@ def find_notebooks(names: list[str] | None = None) -> list[Path]:
 
 
 # Seconds one cell may run before the run is stopped (papermill's execution_timeout): enough for the
-# longest experiment cell on a slow or shared machine (chapter 04 at `cpu`: ~20 minutes on two idle
-# cores, measured), short enough that a hung cell ends the run.
+# longest experiment cell on a slow or shared machine (chapter 04 at `cpu`: 67 minutes measured on a busy
+# 2-core machine, about 25 estimated on an idle one), short enough that a hung cell ends the run.
 CELL_TIMEOUT = {"smoke": 900, "cpu": 3 * 3600, "gpu": 3600}
 
 
