@@ -42,6 +42,11 @@ def _check_sizes(num_stages: int, num_microbatches: int) -> None:
             raise ValueError(f"{name} must be a positive integer; got {value!r}")
 
 
+def _check_chunks(chunks: int) -> None:
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+        raise ValueError(f"chunks must be a positive integer; got {chunks!r}")
+
+
 def gpipe_order(num_stages: int, num_microbatches: int, stage: int) -> list[Op]:
     """GPipe (all-forward-all-backward) order of one stage: F0..F(m-1), then B0..B(m-1)."""
     _check_sizes(num_stages, num_microbatches)
@@ -108,9 +113,8 @@ def interleaved_order(num_stages: int, num_microbatches: int, stage: int, chunks
     multiple of ``p``, as the groups do.
     """
     _check_sizes(num_stages, num_microbatches)
+    _check_chunks(chunks)
     p, m, v = num_stages, num_microbatches, chunks
-    if not isinstance(v, int) or v < 1:
-        raise ValueError(f"chunks must be a positive integer; got {v!r}")
     if m % p:
         raise ValueError(f"interleaved 1F1B sends micro-batches in groups of p = {p}: use a number of "
                          f"micro-batches that is a multiple of {p} (got {m})")
@@ -133,14 +137,13 @@ def interleaved_order(num_stages: int, num_microbatches: int, stage: int, chunks
     return order
 
 
-_ORDERS = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order, "zb-h1": zero_bubble_h1_order,
-           "interleaved": interleaved_order}
+_ORDERS = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order, "zb-h1": zero_bubble_h1_order}
 
 
 def make_schedule(kind: str, num_stages: int, num_microbatches: int, chunks: int = 2) -> Schedule:
     """The per-stage op lists of a schedule: ``kind`` is ``"gpipe"``, ``"1f1b"``, ``"zb-h1"`` or
     ``"interleaved"`` (then ``chunks`` model chunks per device, and ops ``(op, micro-batch, chunk)``)."""
-    if kind not in _ORDERS:
+    if kind not in KINDS:
         raise ValueError(f"unknown schedule kind {kind!r}; choose one of {', '.join(KINDS)}")
     _check_sizes(num_stages, num_microbatches)
     if kind == "interleaved":
@@ -155,7 +158,7 @@ def bubble_formula(num_stages: int, num_microbatches: int, chunks: int = 1) -> f
     times shorter: (p - 1) / (v m + p - 1).
     """
     _check_sizes(num_stages, num_microbatches)
-    _check_sizes(num_stages, chunks)
+    _check_chunks(chunks)
     return (num_stages - 1) / (chunks * num_microbatches + num_stages - 1)
 
 
@@ -299,5 +302,7 @@ def simulate(schedule: Schedule, t_forward: float = 1.0, t_backward: float = 2.0
     makespan = max(clock)
     busy = [sum(duration[o[0]] for o in order) for order in schedule]
     bubble = 1.0 - sum(busy) / (p * makespan)
-    peak = [max(inflight_counts(order)) / v if v > 1 else max(inflight_counts(order)) for order in schedule]
+    peak = [max(inflight_counts(order)) for order in schedule]
+    if v > 1:  # count whole-stage activations: one chunk's are 1/v of a stage's
+        peak = [c / v for c in peak]
     return SimResult(p, m, makespan, bubble, peak, busy, sorted(timings, key=lambda t: (t.stage, t.start)))
