@@ -60,6 +60,7 @@ def execute(notebook: Path, profile: str, out: Path, timeout: int | None = None)
 
     check_profile(profile)
     timeout = timeout or CELL_TIMEOUT[profile]
+    out = Path(out).resolve()  # the kernel runs in notebooks/: a relative path would land there
     stem = notebook.stem
     results_file = out / "results" / f"{stem}.jsonl"
     results_file.parent.mkdir(parents=True, exist_ok=True)

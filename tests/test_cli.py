@@ -77,3 +77,15 @@ def test_runner_stops_a_hung_cell(tmp_path):
     assert result["seconds"] < 120
     # the long cpu experiments get hours, smoke (CI) minutes
     assert runner.CELL_TIMEOUT["smoke"] < runner.CELL_TIMEOUT["gpu"] < runner.CELL_TIMEOUT["cpu"]
+
+
+def test_runner_resolves_a_relative_output_folder(tmp_path, monkeypatch):
+    # `course run` defaults to --out build: the claims and figures must land there, not under the
+    # notebook's folder, where the kernel runs
+    (tmp_path / "nb").mkdir()
+    nb = _tiny_notebook(tmp_path / "nb" / "00_tiny.ipynb", "from course_lib.report import record\nrecord('ch99/x', 1)")
+    monkeypatch.chdir(tmp_path)
+    result = runner.execute(nb, "smoke", Path("out"))
+    assert result["error"] is None and result["results"] == {"ch99/x": 1}
+    assert (tmp_path / "out" / "results" / "00_tiny.jsonl").exists()
+    assert not (tmp_path / "nb" / "out").exists()
