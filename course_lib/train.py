@@ -135,11 +135,17 @@ class StepOrder:
     def steps_per_epoch(self) -> int:
         return -(-self.batches_per_epoch // self.accumulation_steps)
 
+    def micro_batches(self, step: int) -> int:
+        """How many micro-batches ``step`` has: ``accumulation_steps``, fewer at the end of an epoch."""
+        done_in_epoch = step % self.steps_per_epoch * self.accumulation_steps
+        return min(self.accumulation_steps, self.batches_per_epoch - done_in_epoch)
+
     def batches(self, step: int) -> list[list[int]]:
         """The sample indices of each micro-batch of ``step``."""
         epoch, j = divmod(step, self.steps_per_epoch)
-        order, k, b = epoch_order(self.n, self.seed, epoch, self.shuffle), self.accumulation_steps, self.batch_size
-        return [order[i * b:(i + 1) * b].tolist() for i in range(j * k, min((j + 1) * k, self.batches_per_epoch))]
+        order, first = epoch_order(self.n, self.seed, epoch, self.shuffle), j * self.accumulation_steps
+        b = self.batch_size
+        return [order[i * b:(i + 1) * b].tolist() for i in range(first, first + self.micro_batches(step))]
 
     @classmethod
     def of(cls, loader: DataLoader, accumulation_steps: int) -> "StepOrder":
@@ -283,7 +289,7 @@ def fit(
         for step in range(start, stop):
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            micro = [next(batches) for _ in order.batches(step)]  # waits for the loader: part of the step's time
+            micro = [next(batches) for _ in range(order.micro_batches(step))]  # waits for the loader: part of the step's time
             n_step = sum(len(y) for _, y in micro)
             optimizer.zero_grad(set_to_none=True)
             loss_sum, correct = torch.zeros((), device=device), torch.zeros((), device=device)
