@@ -10,7 +10,9 @@ Training memory has four parts:
   the backward pass. They grow with the batch and usually dominate.
 
 ``measure`` counts what really exists; ``estimate`` predicts it from the model
-and the batch shape alone, layer by layer, without running the computation.
+and the batch shape alone, layer by layer, without running the computation,
+in fp32 or under bf16 autocast (whose saved tensors are partly bf16, partly
+fp32, and not quite the same on the CPU and on CUDA: see the estimator's notes).
 """
 
 from __future__ import annotations
@@ -118,14 +120,15 @@ def measure(model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], to
 # Under autocast each op runs in a dtype chosen from PyTorch's op lists
 # (https://pytorch.org/docs/stable/amp.html#autocast-op-reference; the source of
 # truth is aten/src/ATen/autocast_mode.cpp). For the course's layers:
-# - on both devices linear, matmul and convolutions run in the low-precision dtype;
-#   they save a low-precision copy of their input, and of their weight;
-# - on CUDA layer_norm, group_norm, softmax, log_softmax and nll_loss run in fp32;
-#   on the CPU these keep their input's dtype, and cross_entropy runs in fp32 as a whole;
-# - everything else (ReLU, GELU, BatchNorm, dropout, additions, embeddings) keeps its
+# - on both devices linear, matmul and convolutions run in the low-precision dtype; they
+#   save a low-precision copy of their input (unless it is one already) and of their weight;
+# - on CUDA layer_norm, group_norm, softmax and nll_loss run in fp32 (log_softmax too, but
+#   not inside cross_entropy, which passes it a dtype); on the CPU the norms and softmax keep
+#   their input's dtype, and cross_entropy runs in fp32 as a whole;
+# - everything else (ReLU, GELU, BatchNorm, MABN, dropout, additions, embeddings) keeps its
 #   input's dtype, the widest when it has several: bf16 + fp32 gives fp32.
-# Measured with saved-tensor hooks under CPU autocast (tests/test_memory.py), and
-# against a fake CUDA run (FakeTensorMode: CUDA's dispatch and autocast lists without a GPU).
+# Checked against saved-tensor hooks under CPU autocast (tests/test_memory.py), and under
+# CUDA autocast with fake tensors (FakeTensorMode: CUDA's dispatch without a GPU).
 
 LOW, FP32_ON_CUDA, SAME = "low", "fp32 on cuda", "same"  # how autocast runs an op (see above)
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}  # precision -> autocast dtype (None: no autocast)
