@@ -104,12 +104,17 @@ def evaluate(model: nn.Module, loader: DataLoader, loss_fn: LossFn = F.cross_ent
 # ----- the data order --------------------------------------------------------------------
 
 
+def _generator(seed: int, index: int) -> torch.Generator:
+    """A generator seeded by the pair (seed, index), as chapter 08's ``zero_common`` seeds each step's batch."""
+    return torch.Generator().manual_seed((seed * 100_003 + index) % 2**63)
+
+
 @functools.lru_cache(maxsize=2)
 def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
     """The order of the ``n`` samples in ``epoch``: a permutation drawn from a generator seeded by (seed, epoch)."""
     if not shuffle:
         return torch.arange(n)
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+    return torch.randperm(n, generator=_generator(seed, epoch))
 
 
 @dataclass(frozen=True)
@@ -175,7 +180,7 @@ def _micro_batches(loader: DataLoader, order: StepOrder, start: int, stop: int) 
                            collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, timeout=loader.timeout,
                            worker_init_fn=loader.worker_init_fn, multiprocessing_context=loader.multiprocessing_context,
                            prefetch_factor=loader.prefetch_factor if workers else None,
-                           generator=torch.Generator().manual_seed(order.seed * 100_003 + start)))
+                           generator=_generator(order.seed, -1 - start)))  # apart from epochs'
 
 
 # ----- checkpoints --------------------------------------------------------------------
@@ -261,7 +266,7 @@ def fit(
     progress: bool | None = None,
     stop_after: int | None = None,
 ) -> History:
-    """Train ``model`` for ``epochs`` passes over ``loader``'s dataset (at most ``max_steps`` steps); return its ``History``.
+    """Train ``model`` for ``epochs`` passes over ``loader``'s data (at most ``max_steps`` steps); return the ``History``.
 
     Each optimizer step uses ``accumulation_steps`` consecutive batches (the micro-batches), each loss weighted
     by its share of the step's samples. ``autocast_dtype`` (e.g. ``torch.bfloat16``) runs the forward passes
@@ -289,7 +294,7 @@ def fit(
         for step in range(start, stop):
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            micro = [next(batches) for _ in range(order.micro_batches(step))]  # waits for the loader: part of the step's time
+            micro = [next(batches) for _ in range(order.micro_batches(step))]  # waiting for the loader is in the step
             n_step = sum(len(y) for _, y in micro)
             optimizer.zero_grad(set_to_none=True)
             loss_sum, correct = torch.zeros((), device=device), torch.zeros((), device=device)
