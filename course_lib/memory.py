@@ -10,12 +10,15 @@ Training memory has four parts:
   the backward pass. They grow with the batch and usually dominate.
 
 ``measure`` counts what really exists; ``estimate`` predicts it from the model
-and the batch shape alone, layer by layer, without running the computation.
+and the batch shape alone, layer by layer, without running the computation,
+in fp32 or under bf16 autocast (whose saved tensors are partly bf16, partly
+fp32, and not quite the same on the CPU and on CUDA: see the estimator's notes).
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import os
 import sys
 from contextlib import contextmanager
@@ -53,9 +56,10 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     )
 
 
-def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    # Views share one storage; key by the storage's address so each is counted once.
-    return (str(t.device), t.untyped_storage().data_ptr())
+def _storage_key(t: torch.Tensor) -> int:
+    # Views share one storage; key by the storage object's own address so each is counted once. (Its data
+    # pointer would do for real tensors, but not for the fake ones of torch's FakeTensorMode, which have none.)
+    return t.untyped_storage()._cdata
 
 
 def saved_activation_bytes(fn: Callable[[], object], exclude: Iterable[torch.Tensor] = ()) -> int:
@@ -66,7 +70,7 @@ def saved_activation_bytes(fn: Callable[[], object], exclude: Iterable[torch.Ten
     but they are not activations).
     """
     excluded = {_storage_key(t) for t in exclude}
-    seen: dict[tuple[str, int], int] = {}
+    seen: dict[int, int] = {}
     keep: list[torch.Tensor] = []  # hold every saved tensor so no address is reused while we count
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -82,12 +86,21 @@ def saved_activation_bytes(fn: Callable[[], object], exclude: Iterable[torch.Ten
 
 
 def measure(model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-            inputs: torch.Tensor, targets: torch.Tensor, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Run one real training step and count params, grads, optimizer state and saved activations."""
+            inputs: torch.Tensor, targets: torch.Tensor, optimizer: torch.optim.Optimizer,
+            precision: str = "fp32") -> dict[str, int]:
+    """Run one real training step and count params, grads, optimizer state and saved activations.
+
+    ``precision="bf16"`` runs the forward pass under bf16 autocast on the inputs' device.
+    """
+    amp = _autocast_dtype(precision)
     optimizer.zero_grad(set_to_none=True)
     holder: list[torch.Tensor] = []
-    acts = saved_activation_bytes(lambda: holder.append(loss_fn(model(inputs), targets)),
-                                  exclude=list(model.parameters()))
+
+    def forward() -> None:
+        with torch.autocast(inputs.device.type, dtype=amp, enabled=amp is not None):
+            holder.append(loss_fn(model(inputs), targets))
+
+    acts = saved_activation_bytes(forward, exclude=list(model.parameters()))
     holder[0].backward()
     optimizer.step()
     out = {"params": param_bytes(model), "grads": grad_bytes(model),
@@ -97,104 +110,190 @@ def measure(model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], to
 
 
 # ----- the estimator -------------------------------------------------------------
-# What each layer saves for its backward pass, as (tensor, bytes per element)
-# pairs. Running on the "meta" device gives shapes without computing anything.
-# Tensors are keyed by identity, so a ReLU's output that the next convolution
-# also saves is counted once, as autograd does; ``None`` marks a tensor that
-# only this layer creates (statistics, masks), always counted.
+# What each layer saves for its backward pass, as (key, bytes) pairs. Running a
+# copy of the model on the "meta" device gives shapes (and dtypes) without
+# computing anything. A key is the saved tensor itself when a later layer may
+# save the same one (a ReLU's output that the next convolution also saves is
+# counted once, as autograd does), ``None`` for a tensor only this layer makes
+# (statistics, masks, autocast's low-precision copies), always counted.
+#
+# Under autocast each op runs in a dtype chosen from PyTorch's op lists
+# (https://pytorch.org/docs/stable/amp.html#autocast-op-reference; the source of
+# truth is aten/src/ATen/autocast_mode.cpp). For the course's layers:
+# - on both devices linear, matmul and convolutions run in the low-precision dtype; they
+#   save a low-precision copy of their input (unless it is one already) and of their weight;
+# - on CUDA layer_norm, group_norm, softmax and nll_loss run in fp32 (log_softmax too, but
+#   not inside cross_entropy, which passes it a dtype); on the CPU the norms and softmax keep
+#   their input's dtype, and cross_entropy runs in fp32 as a whole;
+# - everything else (ReLU, GELU, BatchNorm, MABN, dropout, additions, embeddings) keeps its
+#   input's dtype, the widest when it has several: bf16 + fp32 gives fp32.
+# Checked against saved-tensor hooks under CPU autocast (tests/test_memory.py), and under
+# CUDA autocast with fake tensors (FakeTensorMode: CUDA's dispatch without a GPU).
+
+LOW, FP32_ON_CUDA, SAME = "low", "fp32 on cuda", "same"  # how autocast runs an op (see above)
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}  # precision -> autocast dtype (None: no autocast)
 
 
-def _layer_saves(module: nn.Module, inp: torch.Tensor, out: torch.Tensor,
-                 act_size: int, mask_size: int) -> list[tuple[torch.Tensor | None, int]]:
-    n_in = inp.numel() if torch.is_tensor(inp) else 0
-    if isinstance(module, (nn.Linear, nn.Conv2d, nn.Conv1d)):
-        return [(inp, n_in * act_size)]                       # input, for the weight gradient
+def _autocast_dtype(precision: str) -> torch.dtype | None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}: choose 'fp32' or 'bf16' (bf16 autocast)")
+    return PRECISIONS[precision]
+
+
+def _device_type(device: torch.device | str) -> str:
+    kind = torch.device(device).type
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"the estimator knows what is saved on 'cpu' and 'cuda' (autocast's op lists and dropout's "
+                         f"mask differ between them), not on {kind!r}")
+    return kind
+
+
+def _run_dtype(policy: str, dtype: torch.dtype, amp: torch.dtype | None, device: str) -> torch.dtype:
+    """The dtype an op of this policy runs in, given its input's dtype; ``amp``: autocast's dtype, or None."""
+    if amp is None or not dtype.is_floating_point:
+        return dtype
+    if policy == LOW:
+        return amp
+    if policy == FP32_ON_CUDA and device == "cuda":
+        return torch.float32
+    return dtype
+
+
+def _policy(module: nn.Module) -> str:
+    if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d)):
+        return LOW
+    if isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.Softmax)):
+        return FP32_ON_CUDA
+    return SAME
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor | None, int]:
+    """``x`` as an op that runs in ``dtype`` saves it: itself, or autocast's new copy."""
+    return (x if x.dtype == dtype else None, x.numel() * dtype.itemsize)
+
+
+def _is_mabn(module: nn.Module) -> bool:
+    # norms.MABN2d (chapter 04) sits below this module, so it is recognised by its two buffers, not imported.
+    return hasattr(module, "stat_buffer") and hasattr(module, "grad_buffer")
+
+
+def _layer_saves(module: nn.Module, x: torch.Tensor, out: torch.Tensor, amp: torch.dtype | None,
+                 device: str) -> list[tuple[object, int]]:
+    d = _run_dtype(_policy(module), x.dtype, amp, device) if torch.is_tensor(x) else None
+    if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d)):
+        saves = [_as(x, d)]                                  # the input, for the weight gradient
+        w = module.weight
+        # the weight, for the input gradient: the parameter itself (not an activation) unless autocast
+        # cast it (a bf16 copy) or the layer derives it (norms.CenConv2d's centred weight). A Linear keeps it
+        # only when its input needs a gradient; a convolution always does.
+        derived = hasattr(module, "centered_weight") or d != w.dtype
+        if derived and (x.requires_grad or not isinstance(module, nn.Linear)):
+            saves.append((None, w.numel() * d.itemsize))
+        return saves
     if isinstance(module, (nn.ReLU, nn.Sigmoid, nn.Tanh, nn.Softmax)):
-        return [(out, out.numel() * 4)]                       # output: the derivative needs it
+        return [(out, tensor_bytes(out))]      # the output: the derivative needs it
     if isinstance(module, (nn.GELU, nn.SiLU)):
-        return [(inp, n_in * 4)]                              # input: the derivative needs it
+        return [(x, tensor_bytes(x))]           # the input: the derivative needs it
     if isinstance(module, nn.modules.batchnorm._BatchNorm):
-        c = inp.shape[1]
-        return [(inp, n_in * 4), (None, 4 * c * 4)]  # input; mean, invstd, running stats
+        running = 2 if module.running_mean is not None else 0
+        return [_as(x, d), (None, (2 + running) * x.shape[1] * 4)]  # input; fp32 mean, invstd, running stats
+    if _is_mabn(module):
+        return [(x, tensor_bytes(x)), (None, 2 * x.shape[1] * 4)]  # input; 1/s and r per channel
     if isinstance(module, nn.LayerNorm):
-        rows = n_in // max(1, module.normalized_shape[-1])
-        return [(inp, n_in * 4), (None, 2 * rows * 4)]  # input; mean and rstd per row
+        rows = x.numel() // math.prod(module.normalized_shape)
+        return [_as(x, d), (None, 2 * rows * 4)]              # input; fp32 mean and rstd per row
     if isinstance(module, nn.GroupNorm):
-        return [(inp, n_in * 4), (None, 2 * inp.shape[0] * module.num_groups * 4)]
+        return [_as(x, d), (None, 2 * x.shape[0] * module.num_groups * 4)]
     if isinstance(module, nn.Embedding):
-        return [(inp, n_in * 8)]                              # the int64 indices
+        return [(x, tensor_bytes(x))]           # the integer indices
     if isinstance(module, nn.Dropout) and module.p > 0:
-        return [(None, out.numel() * mask_size)]  # the keep-mask: bool on CUDA, float on CPU
+        # the keep-mask: CUDA's fused kernel saves bool, the CPU a mask in the input's dtype
+        return [(None, out.numel() * (1 if device == "cuda" else x.element_size()))]
     if isinstance(module, nn.MaxPool2d):
-        return [(inp, n_in * 4), (None, out.numel() * 8)]
+        return [(x, tensor_bytes(x)), (None, out.numel() * 8)]  # input; int64 argmax indices
     if isinstance(module, CausalSelfAttention):
-        B, T, C = inp.shape
+        B, T, C = x.shape
         H = module.n_heads
-        # q, k and v (saved by the two matmuls), the softmax output (saved by
-        # softmax and by att @ v), and the causal mask buffer. The two Linear
-        # layers inside are counted by their own rule.
-        saves = [(None, 3 * B * T * C * act_size),
-                 (None, B * H * T * T * 4),
-                 (module.mask, module.mask.numel())]
-        if isinstance(module.attn_drop, nn.Dropout):
-            # att @ v then saves the dropped-out copy as well (its mask is counted by Dropout's rule)
-            saves.append((None, B * H * T * T * act_size))
+        low = _run_dtype(LOW, x.dtype, amp, device)          # q, k, v come out of a Linear
+        soft = _run_dtype(FP32_ON_CUDA, low, amp, device)    # softmax: fp32 on CUDA under autocast
+        saves = [(None, 3 * B * T * C * low.itemsize),          # q, k (q @ k^T) and v (att @ v)
+                 (None, T * T),                               # the bool mask masked_fill keeps
+                 (None, B * H * T * T * soft.itemsize)]         # the softmax output
+        if isinstance(module.attn_drop, nn.Dropout) or soft != low:
+            # att @ v saves its own copy of the attention matrix: the dropped-out one, or autocast's bf16 copy
+            saves.append((None, B * H * T * T * low.itemsize))
         return saves
     return []
+
+
+def _loss_saves(logits: torch.Tensor, amp: torch.dtype | None, device: str) -> int:
+    """cross_entropy = log_softmax (saves its output) + nll_loss (saves that output and the int64 targets)."""
+    n, rows = logits.numel(), logits.numel() // logits.shape[-1]
+    if amp is None or logits.dtype == torch.float32:
+        return n * logits.element_size() + rows * 8
+    if device == "cuda":
+        # CUDA has no entry for cross_entropy: log_softmax runs in bf16 (it is given an explicit dtype), then
+        # nll_loss (on the fp32 list) saves an fp32 copy of it too.
+        return n * (logits.dtype.itemsize + 4) + rows * 8
+    return n * 4 + rows * 8  # the CPU list has cross_entropy_loss: one fp32 log_softmax
 
 
 def _leaf_like(module: nn.Module) -> bool:
     return len(list(module.children())) == 0 or isinstance(module, CausalSelfAttention)
 
 
-def estimate_activation_bytes(model: nn.Module, batch_shape: tuple[int, ...], act_size: int = 4,
-                              device: str = "cpu", with_loss: bool = True) -> int:
+def estimate_activation_bytes(model: nn.Module, batch_shape: tuple[int, ...],
+                              autocast_dtype: torch.dtype | None = None, device: str = "cpu",
+                              with_loss: bool = True) -> int:
     """Predict saved-activation bytes of one forward pass plus the cross-entropy loss.
 
-    ``act_size``: bytes per element of what matmuls and convolutions save (4 in
-    fp32, 2 under bf16 autocast). ``device`` matters for dropout: CUDA saves a
-    1-byte mask, the CPU a float mask the size of the input.
+    ``autocast_dtype`` (e.g. ``torch.bfloat16``): the forward runs under
+    ``torch.autocast(device, dtype=...)``. ``device`` (``"cpu"`` or ``"cuda"``)
+    matters for dropout's mask and for which ops autocast runs in fp32.
     """
-    mask_size = 1 if device.startswith("cuda") else act_size
+    device = _device_type(device)
     meta = copy.deepcopy(model).to("meta").train()
     is_tokens = any(isinstance(m, nn.Embedding) for m in meta.modules())
     x = torch.empty(batch_shape, dtype=torch.long if is_tokens else torch.float32, device="meta")
-    saved: dict[object, int] = {}
-    keep: list[object] = []  # keeps every keyed tensor alive, so no id is reused
+    saved: dict[int, int] = {}
+    keep: list[object] = []  # keeps every key alive, so no id is reused
 
-    def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
-        for tensor, nbytes in _layer_saves(module, args[0] if args else None, out, act_size, mask_size):
-            key = object() if tensor is None else tensor
+    def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        inp = args[0] if args else None
+        if torch.is_tensor(inp) and torch.is_tensor(out) and out.is_floating_point():
+            # Give the output the dtype autocast would: later layers then see (and save) that dtype.
+            out = out.to(_run_dtype(_policy(module), out.dtype, autocast_dtype, device))
+        for key, nbytes in _layer_saves(module, inp, out, autocast_dtype, device):
+            key = object() if key is None else key
             keep.append(key)
             saved[id(key)] = nbytes
+        return out
 
     handles = [m.register_forward_hook(hook) for m in meta.modules() if _leaf_like(m)]
     try:
-        logits = meta(x)
+        with torch.enable_grad():  # which inputs need a gradient decides what a Linear keeps
+            logits = meta(x)
     except Exception as exc:
         raise ValueError(f"batch shape {tuple(batch_shape)} does not fit {type(model).__name__}: {exc}") from exc
     finally:
         for h in handles:
             h.remove()
-    if with_loss:
-        # cross_entropy = log_softmax (saves its output) + nll_loss (saves the targets)
-        rows = logits.numel() // logits.shape[-1]
-        saved["loss"] = logits.numel() * 4 + rows * 8
-    return sum(saved.values())
+    loss = _loss_saves(logits, autocast_dtype, device) if with_loss else 0
+    return sum(saved.values()) + loss
 
 
 def estimate(model: nn.Module, batch_shape: tuple[int, ...], optimizer: str = "adam",
-             precision: str = "fp32", device: str = "cpu") -> dict[str, int]:
+             precision: str = "fp32", device: torch.device | str = "cpu") -> dict[str, int]:
     """Predict the bytes of one training step: ``params``, ``grads``, ``optimizer``, ``activations``, ``total``.
 
     ``optimizer``: ``"sgd"``, ``"momentum"`` or ``"adam"``. ``precision``:
-    ``"fp32"``, or ``"bf16"`` for autocast (fp32 weights, gradients and
-    optimizer state; the inputs that matmuls and convolutions save are bf16).
+    ``"fp32"``, or ``"bf16"`` for bf16 autocast on ``device`` (fp32 weights,
+    gradients and optimizer state; the activations follow autocast's op lists
+    for that device, and include the bf16 copies of the weights it saves).
     """
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"unknown optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZER_STATES)}")
-    if precision not in ("fp32", "bf16"):
-        raise ValueError(f"unknown precision {precision!r}: choose 'fp32' or 'bf16'")
+    amp = _autocast_dtype(precision)
     params = list(model.parameters())
     p_bytes = sum(tensor_bytes(p) for p in params)
     trainable = [p for p in params if p.requires_grad]
@@ -202,8 +301,7 @@ def estimate(model: nn.Module, batch_shape: tuple[int, ...], optimizer: str = "a
     o_bytes = OPTIMIZER_STATES[optimizer] * g_bytes
     if optimizer == "adam":
         o_bytes += 4 * len(trainable)  # torch.optim.Adam keeps a float32 scalar 'step' per tensor
-    acts = estimate_activation_bytes(model, batch_shape, act_size=2 if precision == "bf16" else 4,
-                                     device=str(device))
+    acts = estimate_activation_bytes(model, batch_shape, autocast_dtype=amp, device=device)
     out = {"params": p_bytes, "grads": g_bytes, "optimizer": o_bytes, "activations": acts}
     out["total"] = sum(out.values())
     return out

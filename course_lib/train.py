@@ -1,18 +1,21 @@
 """One training loop for every chapter (chapters 02-09).
 
-``fit`` trains with optional gradient accumulation and autocast, shows a
-progress bar, keeps a history (loss, accuracy, samples/s, memory) and can save
-and resume its whole state, so an interrupted run continues to the same numbers.
-``accumulate`` is the bare gradient-accumulation step of chapter 03.
+``fit`` is a flat loop in the shape of nanoGPT's ``train.py``: for each optimizer step, fetch that step's
+micro-batches, run forward and backward on each (its loss weighted by its share of the samples), step the
+optimizer and the scheduler, log, evaluate, save a checkpoint. Which samples a step reads is a pure function
+of (seed, step) (``StepOrder``), so a run resumes from the step index alone, with the same numbers as a run
+that was never interrupted, and without replaying or skipping any batch. ``accumulate`` is the bare
+gradient-accumulation step of chapter 03.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -20,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 from tqdm import tqdm
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -37,16 +40,14 @@ def accumulate(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets:
     """
     n = len(inputs)
     if not 1 <= micro_batches <= n:
-        raise ValueError(
-            f"cannot split a batch of {n} samples into {micro_batches} micro-batches: "
-            f"choose between 1 and {n}"
-        )
-    total = 0.0
+        raise ValueError(f"cannot split a batch of {n} samples into {micro_batches} micro-batches: "
+                         f"choose between 1 and {n}")
+    shares = []
     for x, y in zip(inputs.tensor_split(micro_batches), targets.tensor_split(micro_batches)):
         loss = loss_fn(model(x), y) * (len(x) / n)  # this piece's share of the full-batch mean
         loss.backward()  # frees this piece's activations before the next forward
-        total += loss.item()
-    return total
+        shares.append(loss.detach())  # a tensor: reading it now (.item()) would wait for the GPU every piece
+    return torch.stack(shares).sum().item()
 
 
 @dataclass
@@ -78,8 +79,9 @@ def _memory_now(device: torch.device) -> int:
         return 0
 
 
-def _accuracy(logits: torch.Tensor, targets: torch.Tensor) -> float:
-    return (logits.argmax(-1) == targets).float().mean().item()
+def _correct(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Correct predictions, counted per sample (a sequence's share is its fraction of correct tokens)."""
+    return (logits.argmax(-1) == targets).float().mean() * len(targets)
 
 
 @torch.no_grad()
@@ -88,15 +90,97 @@ def evaluate(model: nn.Module, loader: DataLoader, loss_fn: LossFn = F.cross_ent
     """Mean loss and accuracy over a loader, in eval mode (the model's mode is restored)."""
     was_training = model.training
     model.eval()
-    loss_sum = correct = count = 0.0
+    sums, count = torch.zeros(2, device=device), 0
     for x, y in loader:
         x, y = x.to(device), y.to(device)
         out = model(x)
-        loss_sum += loss_fn(out, y).item() * len(x)
-        correct += (out.argmax(-1) == y).float().sum().item() * (len(x) / y.numel())
+        sums += torch.stack([loss_fn(out, y).float() * len(x), _correct(out, y)])
         count += len(x)
     model.train(was_training)
+    loss_sum, correct = sums.tolist()  # one wait for the device, at the end
     return loss_sum / count, correct / count
+
+
+# ----- the data order --------------------------------------------------------------------
+
+
+def _generator(seed: int, index: int) -> torch.Generator:
+    """A generator seeded by the pair (seed, index), as chapter 08's ``zero_common`` seeds each step's batch."""
+    return torch.Generator().manual_seed((seed * 100_003 + index) % 2**63)
+
+
+@functools.lru_cache(maxsize=2)
+def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
+    """The order of the ``n`` samples in ``epoch``: a permutation drawn from a generator seeded by (seed, epoch)."""
+    if not shuffle:
+        return torch.arange(n)
+    return torch.randperm(n, generator=_generator(seed, epoch))
+
+
+@dataclass(frozen=True)
+class StepOrder:
+    """Which samples each optimizer step reads, as a pure function of the step index.
+
+    Epoch e is ``epoch_order(n, seed, e)`` cut into batches of ``batch_size`` (a short last one, or none with
+    ``drop_last``); step s takes the next ``accumulation_steps`` batches of its epoch (fewer at its end).
+    """
+
+    n: int
+    batch_size: int
+    accumulation_steps: int
+    shuffle: bool
+    drop_last: bool
+    seed: int
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.n // self.batch_size if self.drop_last else -(-self.n // self.batch_size)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return -(-self.batches_per_epoch // self.accumulation_steps)
+
+    def micro_batches(self, step: int) -> int:
+        """How many micro-batches ``step`` has: ``accumulation_steps``, fewer at the end of an epoch."""
+        done_in_epoch = step % self.steps_per_epoch * self.accumulation_steps
+        return min(self.accumulation_steps, self.batches_per_epoch - done_in_epoch)
+
+    def batches(self, step: int) -> list[list[int]]:
+        """The sample indices of each micro-batch of ``step``."""
+        epoch, j = divmod(step, self.steps_per_epoch)
+        order, first = epoch_order(self.n, self.seed, epoch, self.shuffle), j * self.accumulation_steps
+        b = self.batch_size
+        return [order[i * b:(i + 1) * b].tolist() for i in range(first, first + self.micro_batches(step))]
+
+    @classmethod
+    def of(cls, loader: DataLoader, accumulation_steps: int) -> "StepOrder":
+        """The order of a loader from ``data.make_loader``: its dataset size, batch size, shuffling and seed."""
+        if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)) or loader.batch_size is None:
+            raise ValueError(f"fit orders the samples itself and cannot follow a {type(loader.sampler).__name__} "
+                             "or a custom batch_sampler: build the loader with course_lib.data.make_loader")
+        # make_loader seeds the loader's generator; without one, draw a seed (checkpoints keep it)
+        seed = loader.generator.initial_seed() if loader.generator is not None else int(torch.randint(2**31, ()))
+        order = cls(len(loader.dataset), loader.batch_size, accumulation_steps,
+                    isinstance(loader.sampler, RandomSampler), loader.drop_last, seed)
+        if order.batches_per_epoch == 0:
+            raise ValueError(f"{order.n} samples make no batch of {order.batch_size} (drop_last={order.drop_last})")
+        return order
+
+
+def _micro_batches(loader: DataLoader, order: StepOrder, start: int, stop: int) -> Iterator:
+    """The micro-batches of steps ``start``..``stop - 1``, loaded as ``loader`` loads: its dataset, collate
+    function, ``num_workers`` (processes that prepare the next batches while the model trains), ``pin_memory``.
+
+    Workers seed their generators (random augmentation) from (seed, start): a resumed run reads the same
+    samples, but augments them in workers unlike an uninterrupted run (the main process uses the global
+    generator, which checkpoints restore)."""
+    indices = (batch for step in range(start, stop) for batch in order.batches(step))
+    workers = loader.num_workers
+    return iter(DataLoader(loader.dataset, batch_sampler=indices, num_workers=workers,
+                           collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, timeout=loader.timeout,
+                           worker_init_fn=loader.worker_init_fn, multiprocessing_context=loader.multiprocessing_context,
+                           prefetch_factor=loader.prefetch_factor if workers else None,
+                           generator=_generator(order.seed, -1 - start)))  # apart from epochs'
 
 
 # ----- checkpoints --------------------------------------------------------------------
@@ -132,33 +216,36 @@ def load_model_state(model: nn.Module, state: dict) -> None:
 
 
 def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: object | None, progress: dict, history: History,
-                    loader_state: torch.Tensor | None) -> None:
-    """Write everything a run needs to continue exactly: weights, optimizer, scheduler, RNGs, position."""
+                    scheduler: object | None, step: int, history: History, order: StepOrder) -> None:
+    """Write what a run needs to continue exactly: weights, optimizer, scheduler, RNGs, steps done, data order."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     torch.save({
         "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "progress": progress, "history": history.as_dict(), "rng": _rng_state(), "loader": loader_state,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None, "step": step,
+        "order": asdict(order), "history": history.as_dict(), "rng": _rng_state(),
     }, tmp)
     os.replace(tmp, path)  # atomic: a run killed while saving keeps the previous checkpoint
 
 
+def _resume(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: object | None,
+            order: StepOrder) -> tuple[StepOrder, History, int]:
+    """Load a checkpoint into the run's objects; return its data order (and seed), history and steps done."""
+    ckpt = torch.load(path, weights_only=False)
+    load_model_state(model, ckpt["model"])
+    saved = StepOrder(**ckpt["order"])
+    if asdict(saved) | {"seed": 0} != asdict(order) | {"seed": 0}:
+        raise ValueError(f"the checkpoint's run read its data as {saved}, this loader as {order}: resume with "
+                         "the same dataset size, batch size, shuffling and accumulation_steps")
+    optimizer.load_state_dict(ckpt["optimizer"])
+    if scheduler is not None and ckpt["scheduler"] is not None:
+        scheduler.load_state_dict(ckpt["scheduler"])
+    _set_rng_state(ckpt["rng"])  # dropout masks (and augmentation in the main process) continue as they would have
+    return saved, History(**ckpt["history"]), ckpt["step"]
+
+
 # ----- the loop ----------------------------------------------------------------------
-
-
-def _groups(it: Iterator, k: int) -> Iterator[list]:
-    """Consecutive groups of up to ``k`` batches: one optimizer step each."""
-    group: list = []
-    for batch in it:
-        group.append(batch)
-        if len(group) == k:
-            yield group
-            group = []
-    if group:
-        yield group
 
 
 def fit(
@@ -179,111 +266,69 @@ def fit(
     progress: bool | None = None,
     stop_after: int | None = None,
 ) -> History:
-    """Train ``model``; return its ``History``.
+    """Train ``model`` for ``epochs`` passes over ``loader``'s data (at most ``max_steps`` steps); return the ``History``.
 
-    Each optimizer step uses ``accumulation_steps`` consecutive batches of
-    ``loader`` (the micro-batches), each loss weighted by its share of the
-    step's samples. ``autocast_dtype`` (e.g. ``torch.bfloat16``) runs the
-    forward pass under autocast. With ``checkpoint_path``, the state is saved
-    every ``checkpoint_every`` steps and at the end; ``resume=True`` continues
-    from it. ``stop_after`` ends the call after that many steps (to simulate
-    an interruption). ``scheduler`` steps once per optimizer step.
+    Each optimizer step uses ``accumulation_steps`` consecutive batches (the micro-batches), each loss weighted
+    by its share of the step's samples. ``autocast_dtype`` (e.g. ``torch.bfloat16``) runs the forward passes
+    under autocast. ``scheduler`` steps once per optimizer step; ``eval_loader`` is evaluated after each epoch.
+    With ``checkpoint_path`` the state is saved every ``checkpoint_every`` steps and at the end;
+    ``resume=True`` continues from it. ``stop_after`` ends the call after that many steps (an interruption).
+    Samples/s count the whole step, from the end of the previous one: waiting for the loader included.
     """
     if accumulation_steps < 1:
         raise ValueError(f"accumulation_steps must be at least 1, got {accumulation_steps}")
     device = torch.device(device) if device is not None else next(model.parameters()).device
-    if progress is None:
-        progress = os.environ.get("COURSE_PROGRESS", "1") != "0"
-    history, step, start_epoch, skip = History(), 0, 0, 0
-    generator = getattr(loader, "generator", None)
+    order, history, start = StepOrder.of(loader, accumulation_steps), History(), 0
     if resume and checkpoint_path is not None and Path(checkpoint_path).exists():
-        ckpt = torch.load(checkpoint_path, weights_only=False)
-        load_model_state(model, ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        if scheduler is not None and ckpt["scheduler"] is not None:
-            scheduler.load_state_dict(ckpt["scheduler"])
-        _set_rng_state(ckpt["rng"])
-        history = History(**ckpt["history"])
-        step, start_epoch, skip = ckpt["progress"]["step"], ckpt["progress"]["epoch"], ckpt["progress"]["batches"]
-        if generator is not None and ckpt["loader"] is not None:
-            generator.set_state(ckpt["loader"])
-    total = max_steps or epochs * -(-len(loader) // accumulation_steps)
-    bar = tqdm(total=total, initial=step, disable=not progress, mininterval=1.0, desc="train")
-    def amp() -> object:
-        # A fresh context per forward pass. (An autocast object is itself callable, as a
-        # decorator, so it cannot be told apart from a factory by ``callable``.)
-        return torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
+        order, history, start = _resume(checkpoint_path, model, optimizer, scheduler, order)
+    total = epochs * order.steps_per_epoch if max_steps is None else min(max_steps, epochs * order.steps_per_epoch)
+    stop = total if stop_after is None else min(total, start + stop_after)
+    show = progress if progress is not None else os.environ.get("COURSE_PROGRESS", "1") != "0"
+    bar = tqdm(total=total, initial=start, disable=not show, mininterval=1.0, desc="train")
+    amp = (lambda: torch.autocast(device.type, dtype=autocast_dtype)) if autocast_dtype is not None else nullcontext
 
-    done_this_call = 0
     model.train()
-    for epoch in range(start_epoch, epochs):
-        # The loader's shuffling generator at the start of the epoch: saved so a resume replays the same order.
-        epoch_state = generator.get_state() if generator is not None else None
-        batches = iter(loader)
-        for _ in range(skip):
-            next(batches)
-        consumed = skip
-        skip = 0
-        for group in _groups(batches, accumulation_steps):
-            if max_steps is not None and step >= max_steps:
-                break
+    t_last = time.perf_counter()
+    batches = _micro_batches(loader, order, start, stop)
+    try:
+        for step in range(start, stop):
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            t0 = time.perf_counter()
-            n_total = sum(len(x) for x, _ in group)
+            micro = [next(batches) for _ in range(order.micro_batches(step))]  # waiting for the loader is in the step
+            n_step = sum(len(y) for _, y in micro)
             optimizer.zero_grad(set_to_none=True)
-            loss_sum = correct = 0.0
-            for x, y in group:
+            loss_sum, correct = torch.zeros((), device=device), torch.zeros((), device=device)
+            for x, y in micro:
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 with amp():
                     out = model(x)
                     loss = loss_fn(out, y)
-                (loss * (len(x) / n_total)).backward()
-                loss_sum += loss.item() * len(x)
-                correct += _accuracy(out.detach().float(), y) * len(x)
+                (loss * (len(x) / n_step)).backward()  # this micro-batch's share of the step's mean loss
+                loss_sum += loss.detach() * len(x)      # tensors, not .item(): no wait for the device here
+                correct += _correct(out.detach(), y)
             optimizer.step()
             if scheduler is not None:
                 scheduler.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            dt = time.perf_counter() - t0
-            step += 1
-            consumed += len(group)
-            done_this_call += 1
-            history.step.append(step)
-            history.loss.append(loss_sum / n_total)
-            history.accuracy.append(correct / n_total)
-            history.samples_per_s.append(n_total / dt)
+
+            loss_value, accuracy = (torch.stack([loss_sum, correct]) / n_step).tolist()  # the step's one sync
+            done = step + 1
+            history.step.append(done)
+            history.loss.append(loss_value)
+            history.accuracy.append(accuracy)
+            history.samples_per_s.append(n_step / (time.perf_counter() - t_last))
             history.memory_bytes.append(_memory_now(device))
             bar.update(1)
-            bar.set_postfix(loss=f"{history.loss[-1]:.3f}")
-            at_end = consumed >= len(loader)
-            if at_end and eval_loader is not None:
-                # Evaluate before any checkpoint of this step, so a run resumed from it has this entry too.
-                loss, acc = evaluate(model, eval_loader, loss_fn, device)
-                history.eval_step.append(step)
-                history.eval_loss.append(loss)
-                history.eval_accuracy.append(acc)
-            stopping = stop_after is not None and done_this_call >= stop_after
-            if checkpoint_path is not None and (stopping or (checkpoint_every and step % checkpoint_every == 0)):
-                # Mid-epoch: the generator as the epoch began, to replay its order and skip what was done.
-                # At the end of an epoch: the generator as it is now, so the next epoch's order follows.
-                if at_end:
-                    # Run the loader to its end first: RandomSampler draws once more from the generator as it
-                    # stops, and the uninterrupted run's next epoch starts after that draw.
-                    next(batches, None)
-                loader_state = epoch_state if not at_end else (generator.get_state() if generator is not None else None)
-                save_checkpoint(checkpoint_path, model, optimizer, scheduler,
-                                {"step": step, "epoch": epoch + at_end, "batches": 0 if at_end else consumed},
-                                history, loader_state)
-            if stopping:
-                bar.close()
-                return history
-        if max_steps is not None and step >= max_steps:
-            break
-    bar.close()
-    if checkpoint_path is not None:
-        save_checkpoint(checkpoint_path, model, optimizer, scheduler,
-                        {"step": step, "epoch": epochs, "batches": 0}, history,
-                        generator.get_state() if generator is not None else None)
+            bar.set_postfix(loss=f"{loss_value:.3f}")
+            if eval_loader is not None and done % order.steps_per_epoch == 0:
+                # before this step's checkpoint, so a run resumed from it has this entry too
+                e_loss, e_acc = evaluate(model, eval_loader, loss_fn, device)
+                history.eval_step.append(done)
+                history.eval_loss.append(e_loss)
+                history.eval_accuracy.append(e_acc)
+            if checkpoint_path is not None and (done == stop or (checkpoint_every and done % checkpoint_every == 0)):
+                save_checkpoint(checkpoint_path, model, optimizer, scheduler, done, history, order)
+            t_last = time.perf_counter()  # the next step's time starts here: evaluating and saving are not in it
+    finally:
+        del batches  # shuts down the loader's workers now, also after an error
+        bar.close()
     return history

@@ -1,9 +1,12 @@
+from contextlib import contextmanager
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-from course_lib import memory
+from course_lib import memory, models, norms
 from course_lib.models import MLP, ResNet, TinyTransformer, lm_loss
 
 
@@ -26,21 +29,83 @@ def test_saved_activation_bytes_counts_parameters_unless_excluded():
     assert with_params == without + 10 * 10 * 4
 
 
-@pytest.mark.parametrize("name", ["mlp", "resnet", "resnet_gn", "transformer", "transformer_dropout"])
-def test_estimator_within_five_percent_of_measurement(name):
+# Every model of models.py; ResNet with the three normalisations chapter 04 compares (LN and IN are GroupNorms
+# too), the transformer with and without dropout.
+def _resnet(kind: str) -> nn.Module:
+    net = ResNet(8, norm_layer=lambda c: norms.make_norm(kind, c))
+    return norms.centralize_convs(net) if kind == "mabn" else net  # MABN is paired with centred convs (ch. 04)
+
+
+COURSE_MODELS = {
+    "mlp": (MLP, "image"),
+    **{f"resnet_{kind}": (lambda kind=kind: _resnet(kind), "image") for kind in ("bn", "gn", "mabn")},
+    "transformer": (lambda: TinyTransformer(max_len=64), "tokens"),
+    "transformer_dropout": (lambda: TinyTransformer(max_len=64, dropout=0.1), "tokens"),
+}
+SHAPES = {"image": [(2, 3, 32, 32), (8, 3, 32, 32)], "tokens": [(2, 32), (4, 64)]}  # T < max_len too
+
+
+def test_every_course_model_is_checked():
+    blocks = {models.BasicBlock, models.CausalSelfAttention, models.TransformerBlock, models.Embedding, models.Head}
+    classes = {c for c in vars(models).values()
+               if isinstance(c, type) and issubclass(c, nn.Module) and c.__module__ == models.__name__}
+    assert classes - blocks == {type(make()) for make, _ in COURSE_MODELS.values()}, \
+        "a new model in models.py: add it to COURSE_MODELS (or, if it is a building block, to blocks)"
+
+
+@contextmanager
+def _on(device: str, autocast_dtype: torch.dtype | None):
+    """Run on ``device`` under autocast. CUDA without a GPU: torch's FakeTensorMode dispatches as CUDA would
+    (autocast's CUDA op lists, CUDA's kernel choices such as dropout's bool mask) on tensors that have a
+    shape, a dtype and no data. torch.autocast("cuda") turns itself off without a GPU, so it is set directly."""
+    if device == "cpu" or torch.cuda.is_available():
+        with torch.device(device), torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            yield
+        return
+    with FakeTensorMode(), torch.device("cuda"):
+        if autocast_dtype is None:
+            yield
+            return
+        torch.set_autocast_enabled("cuda", True)
+        torch.set_autocast_dtype("cuda", autocast_dtype)
+        torch.autocast_increment_nesting()
+        try:
+            yield
+        finally:
+            torch.autocast_decrement_nesting()
+            torch.set_autocast_enabled("cuda", False)
+            torch.clear_autocast_cache()
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(COURSE_MODELS))
+def test_estimator_within_five_percent_of_measurement(name, precision, device):
+    make, kind = COURSE_MODELS[name]
+    for shape in SHAPES[kind]:
+        estimated = memory.estimate(make(), shape, precision=precision, device=device)["activations"]
+        with _on(device, memory.PRECISIONS[precision]):
+            torch.manual_seed(0)
+            model = make()
+            if kind == "image":
+                x, y, loss_fn = torch.randn(shape), torch.randint(0, 10, shape[:1]), F.cross_entropy
+            else:
+                x, y, loss_fn = torch.randint(0, 64, shape), torch.randint(0, 64, shape), lm_loss
+            measured = _measure_acts(model, x, y, loss_fn)
+        error = abs(estimated - measured) / measured
+        assert error <= 0.05, f"{name} {precision} on {device}, batch {shape}: estimated {estimated:,} bytes, " \
+                              f"measured {measured:,} ({error:.1%} off)"
+
+
+def test_bf16_measure_keeps_fp32_states_and_halves_conv_activations():
     torch.manual_seed(0)
-    img = (torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,)))
-    tok = (torch.randint(0, 64, (4, 32)), torch.randint(0, 64, (4, 32)))
-    model, (x, y), loss_fn = {
-        "mlp": (MLP(), img, F.cross_entropy),
-        "resnet": (ResNet(8), img, F.cross_entropy),
-        "resnet_gn": (ResNet(8, norm_layer=lambda c: nn.GroupNorm(2, c)), img, F.cross_entropy),
-        "transformer": (TinyTransformer(max_len=32), tok, lm_loss),
-        "transformer_dropout": (TinyTransformer(max_len=32, dropout=0.1), tok, lm_loss),
-    }[name]
-    measured = _measure_acts(model, x, y, loss_fn)
-    estimated = memory.estimate(model, tuple(x.shape))["activations"]
-    assert abs(estimated - measured) / measured < 0.05
+    model, x, y = ResNet(8), torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+    fp32 = memory.measure(model, F.cross_entropy, x, y, torch.optim.Adam(model.parameters()))
+    bf16 = memory.measure(model, F.cross_entropy, x, y, torch.optim.Adam(model.parameters()), precision="bf16")
+    assert all(fp32[k] == bf16[k] for k in ("params", "grads", "optimizer"))  # autocast leaves them in fp32
+    assert 0.45 < bf16["activations"] / fp32["activations"] < 0.55  # conv, BN and ReLU all save bf16 here
+    assert bf16["activations"] == pytest.approx(memory.estimate(model, (8, 3, 32, 32), precision="bf16")["activations"],
+                                                rel=0.05)
 
 
 def test_estimate_parts_and_optimizer_state_match_torch():
@@ -61,6 +126,10 @@ def test_estimate_parts_and_optimizer_state_match_torch():
 def test_estimate_rejects_bad_input():
     with pytest.raises(ValueError, match="unknown optimizer"):
         memory.estimate(MLP(), (2, 3, 32, 32), optimizer="lion")
+    with pytest.raises(ValueError, match="unknown precision 'fp16'"):
+        memory.estimate(MLP(), (2, 3, 32, 32), precision="fp16")
+    with pytest.raises(ValueError, match="not on 'mps'"):
+        memory.estimate(MLP(), (2, 3, 32, 32), device="mps")
     with pytest.raises(ValueError, match="does not fit"):
         memory.estimate(ResNet(8), (2, 1, 32, 32))  # one channel, the model wants three
     with pytest.raises(ValueError, match="does not fit"):
