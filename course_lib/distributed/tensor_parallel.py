@@ -186,13 +186,6 @@ class _GatherLinear(torch.autograd.Function):
 # ----- the parallel layers --------------------------------------------------------------------
 
 
-def _gather_uncounted(local: torch.Tensor, dim: int, tp: TPGroup) -> torch.Tensor:
-    """Every rank's ``local`` concatenated along ``dim`` (for checks: not counted as training traffic)."""
-    parts = [torch.empty_like(local) for _ in range(tp.size)]
-    dist.all_gather(parts, local.contiguous(), group=tp.group)
-    return torch.cat(parts, dim=dim)
-
-
 class ColumnParallelLinear(nn.Module):
     """Rank r keeps output rows ``order.chunk(t)[r]`` of ``full`` (default: the natural order), and their biases.
 
@@ -222,13 +215,6 @@ class ColumnParallelLinear(nn.Module):
             return _GatherLinear.apply(x, self.weight, self.bias, self.tp)
         return F.linear(gather_from_sequence(x, self.tp), self.weight, self.bias)
 
-    def gather_full(self, local: torch.Tensor) -> torch.Tensor:
-        """The full-layer tensor (in ``full``'s row order) of this layer's ``weight``/``bias``-shaped ``local``."""
-        permuted = _gather_uncounted(local, 0, self.tp)
-        out = torch.empty_like(permuted)
-        out[self.order.to(out.device)] = permuted
-        return out
-
 
 class RowParallelLinear(nn.Module):
     """Rank r keeps input columns ``r`` of ``full``'s weight; the bias is whole, added once after the sum.
@@ -249,10 +235,6 @@ class RowParallelLinear(nn.Module):
         partial = F.linear(x, self.weight)  # this rank's term of the sum
         y = (reduce_scatter_to_sequence if self.sequence_parallel else reduce_from_tp)(partial, self.tp)
         return y if self.bias is None else y + self.bias
-
-    def gather_full(self, local: torch.Tensor) -> torch.Tensor:
-        """The full-layer tensor of this layer's ``weight``- (or ``bias``-) shaped ``local``."""
-        return _gather_uncounted(local, 1, self.tp) if local.dim() == 2 else local
 
 
 # ----- attention with its heads split ---------------------------------------------------------
@@ -354,10 +336,3 @@ def sync_replicated_grads(module: nn.Module, tp: TPGroup, counter: comm.ByteCoun
     for p, g in zip(params, flat.split([p.numel() for p in params])):
         p.grad.copy_(g.view_as(p.grad))
 
-
-def full_grads(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient as the single-process layer has it (split ones gathered: a collective)."""
-    owner = {id(m.weight): m for m in module.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
-    owner |= {id(m.bias): m for m in module.modules() if isinstance(m, ColumnParallelLinear) and m.bias is not None}
-    return {name: owner[id(p)].gather_full(p.grad) if id(p) in owner else p.grad
-            for name, p in module.named_parameters()}

@@ -34,16 +34,16 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from course_lib import memory
 from course_lib.distributed import comm, launch
-from course_lib.distributed.tensor_parallel import (SEQ, TPBlock, TPGroup, copy_to_tp, full_grads,
-                                                    gather_from_sequence, reduce_from_tp, reduce_scatter_to_sequence,
-                                                    sync_replicated_grads)
+from course_lib.distributed.tensor_parallel import (SEQ, TPBlock, TPGroup, copy_to_tp, gather_from_sequence,
+                                                    reduce_from_tp, reduce_scatter_to_sequence, sync_replicated_grads)
 from course_lib.distributed.zero import count_fsdp_traffic, held_bytes
 from course_lib.env import seed_everything
 from course_lib.models import lm_loss
 from course_lib.workers import zero_compare
-from course_lib.workers.tp_common import (BlockResult, CountDTensorComm, MeshResult, TPReport, Timer, block_plan,
-                                          max_over_ranks, original_layout, parallelize, reduce_partial_grads,
-                                          saved_bytes_in, since, snapshot, to_head_major)
+from course_lib.workers.tp_common import (CountDTensorComm, Timer, block_plan, full_grads, max_over_ranks,
+                                          original_layout, parallelize, reduce_partial_grads, saved_bytes_in, since,
+                                          snapshot, to_head_major)
+from course_lib.workers.tp_results import BlockResult, MeshResult, TPReport
 from course_lib.workers.zero_common import RunConfig, build_model, gather_per_rank, local_batch, mean_over_ranks
 
 BYHAND = {"tp": (False, False), "sp": (True, False), "sp_regather": (True, True)}  # (sequence parallel, regather)
