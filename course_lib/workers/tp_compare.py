@@ -1,0 +1,280 @@
+"""Chapter 10's experiment: one transformer block split over ranks, by hand and by torch's API, and a 2-D mesh.
+
+    torchrun --nproc-per-node 4 -m course_lib.workers.tp_compare --tasks ops,byhand,api,mesh
+
+Tasks (``--tasks``, run in this order in one launch, to pay for starting the processes once):
+
+- ``ops``: the operators f and g (and their sequence-parallel pair) on known tensors;
+- ``byhand``: ``TPBlock`` from the first block of the tiny transformer, as
+  TP, SP, and SP with Megatron's regather, on tensor-parallel groups of 2
+  ranks and of the whole world, in float64 and float32: output, input and
+  parameter gradients against the single-process block, bytes and calls per
+  collective (forward, backward), saved activations per rank;
+- ``api``: the same block under ``parallelize_module`` (TP, then TP + SP) on a 1-D mesh of the whole world;
+- ``mesh``: the whole model trained a few Adam steps on (dp, tp) meshes of
+  the world (``--layouts``, e.g. ``4x1,2x2,1x4``; SP wherever tp > 1), with
+  FSDP2 over dp, against single-process Adam: losses, parameters, bytes held
+  and saved per rank, bytes sent per step.
+
+Every rank builds the same model from the same seed; the single-process
+reference runs on each rank (it is small), so every rank can compare its own part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import logging
+import statistics
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from course_lib import memory
+from course_lib.distributed import comm, launch
+from course_lib.distributed.tensor_parallel import (SEQ, TPBlock, TPGroup, copy_to_tp, gather_from_sequence,
+                                                    reduce_from_tp, reduce_scatter_to_sequence, sync_replicated_grads)
+from course_lib.distributed.zero import count_fsdp_traffic, held_bytes
+from course_lib.env import seed_everything
+from course_lib.models import lm_loss
+from course_lib.workers import zero_compare
+from course_lib.workers.tp_common import (CountDTensorComm, Timer, block_plan, full_grads, max_over_ranks,
+                                          original_layout, parallelize, reduce_partial_grads, saved_bytes_in, since,
+                                          snapshot, to_head_major)
+from course_lib.workers.tp_results import BlockResult, MeshResult, TPReport
+from course_lib.workers.zero_common import RunConfig, build_model, gather_per_rank, local_batch, mean_over_ranks
+
+BYHAND = {"tp": (False, False), "sp": (True, False), "sp_regather": (True, True)}  # (sequence parallel, regather)
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+def ops_check(device: torch.device) -> dict:
+    """f, g and the sequence pair on tensors whose sums are known: rank r holds the value r + 1."""
+    tp, world, rank = TPGroup(), dist.get_world_size(), dist.get_rank()
+    total = world * (world + 1) / 2  # 1 + 2 + ... + world
+    out = {}
+    x = torch.full((2, world, 3), rank + 1.0, device=device, requires_grad=True)
+    y = copy_to_tp(x, tp)
+    y.backward(torch.full_like(y, rank + 1.0))
+    out["f"] = {"forward": y[0, 0, 0].item(), "backward": x.grad[0, 0, 0].item()}
+    x.grad = None
+    y = reduce_from_tp(x, tp)
+    y.backward(torch.full_like(y, rank + 1.0))
+    out["g"] = {"forward": y[0, 0, 0].item(), "backward": x.grad[0, 0, 0].item()}
+    x.grad = None
+    y = gather_from_sequence(x, tp)  # (2, world * world, 3): the rank's value in its own rows
+    y.backward(torch.ones_like(y))
+    out["gather_seq"] = {"shape": list(y.shape), "rows_of_rank": [y[0, r * world, 0].item() for r in range(world)],
+                         "backward": x.grad[0, 0, 0].item()}
+    x.grad = None
+    y = reduce_scatter_to_sequence(x, tp)  # (2, 1, 3): the sum, this rank's row
+    y.backward(torch.full_like(y, rank + 1.0))
+    out["reduce_scatter_seq"] = {"shape": list(y.shape), "forward": y[0, 0, 0].item(),
+                                 "backward_rows": [x.grad[0, r, 0].item() for r in range(world)]}
+    out["sum_of_values"] = total
+    return out
+
+
+def _block_inputs(cfg: RunConfig, device: torch.device):
+    """The first block of the model, an input activation and the weights of a linear loss, the same on every rank."""
+    block = build_model(cfg, device).blocks[0]
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    shape = (cfg.batch, cfg.seq_len, cfg.d_model)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64).to(device, getattr(torch, cfg.dtype))
+    w = torch.randn(shape, generator=gen, dtype=torch.float64).to(device, getattr(torch, cfg.dtype))
+    return block, x, w
+
+
+def _reference(block, x, w) -> tuple[torch.Tensor, torch.Tensor, dict, int]:
+    """The single-process block: output, input gradient, parameter gradients, saved bytes."""
+    ref, xr, holder = copy.deepcopy(block), x.clone().requires_grad_(), []
+    saved = memory.saved_activation_bytes(lambda: holder.append(ref(xr)), exclude=list(ref.parameters()))
+    (holder[0] * w).sum().backward()
+    return holder[0].detach(), xr.grad, {n: p.grad for n, p in ref.named_parameters()}, saved
+
+
+def _shard(t: torch.Tensor, sequence_parallel: bool, tp: TPGroup) -> torch.Tensor:
+    return t.chunk(tp.size, dim=SEQ)[tp.rank] if sequence_parallel else t
+
+
+def run_byhand(method: str, block, x, w, ref, tp: TPGroup, device) -> BlockResult:
+    """``TPBlock`` of ``method`` on the group ``tp``, checked against ``ref`` (from ``_reference``)."""
+    sp, regather = BYHAND[method]
+    tpb = TPBlock(block, tp, sequence_parallel=sp, regather=regather)
+    xs = _shard(x, sp, tp).clone().requires_grad_()
+    tp.counter.reset()
+    holder: list = []
+    saved = memory.saved_activation_bytes(lambda: holder.append(tpb(xs)), exclude=list(tpb.parameters()))
+    fwd = snapshot(tp.counter)
+    (holder[0] * _shard(w, sp, tp)).sum().backward()
+    bwd = since(fwd, tp.counter)
+    sync = comm.ByteCounter()
+    if sp:  # the LayerNorms and row biases saw only this rank's rows
+        sync_replicated_grads(tpb, tp, sync)
+    ref_out, ref_gx, ref_grads, _ = ref
+    grads = full_grads(tpb)
+    return BlockResult(
+        method=method, tp=tp.size, dtype=str(x.dtype).removeprefix("torch."),
+        out_diff=max_over_ranks(_max_diff(holder[0], _shard(ref_out, sp, tp)), device),
+        input_grad_diff=max_over_ranks(_max_diff(xs.grad, _shard(ref_gx, sp, tp)), device),
+        param_grad_diff=max_over_ranks(max(_max_diff(grads[n], ref_grads[n]) for n in ref_grads), device),
+        sent_forward=fwd[0], sent_backward=bwd[0], calls_forward=fwd[1], calls_backward=bwd[1],
+        saved_bytes=gather_per_rank(saved),
+        local_shapes={n: list(p.shape) for n, p in tpb.named_parameters()}, sync_bytes=sync.bytes)
+
+
+def run_api(method: str, block, x, w, ref, mesh, device) -> BlockResult:
+    """The block under ``parallelize_module`` on the 1-D ``mesh``, checked against ``ref``.
+
+    ``method``: ``api_tp``, ``api_sp``, or ``api_sp_local`` (SP with plain tensors between the regions).
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    sequence_parallel = method != "api_tp"
+    hm = to_head_major(copy.deepcopy(block))
+    parallelize_module(hm, mesh, block_plan(sequence_parallel, keep_dtensor=method != "api_sp_local"))
+    tp = TPGroup(mesh.get_group())
+    xs = _shard(x, sequence_parallel, tp).clone().requires_grad_()
+    counter, holder = comm.ByteCounter(), []
+    with CountDTensorComm(counter, [mesh]):
+        saved = saved_bytes_in([hm], lambda: holder.append(hm(xs)))
+        fwd = snapshot(counter)
+        (holder[0] * _shard(w, sequence_parallel, tp)).sum().backward()
+        bwd = since(fwd, counter)
+    ref_out, ref_gx, ref_grads, _ = ref
+    n_heads = block.attn.n_heads
+    grads = {n: original_layout(n, p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad, n_heads)
+             for n, p in hm.named_parameters()}  # full_tensor: a collective outside the counter
+    local = {n: list((p.to_local() if isinstance(p, DTensor) else p).shape) for n, p in hm.named_parameters()}
+    return BlockResult(
+        method=method, tp=mesh.size(), dtype=str(x.dtype).removeprefix("torch."),
+        out_diff=max_over_ranks(_max_diff(holder[0], _shard(ref_out, sequence_parallel, tp)), device),
+        input_grad_diff=max_over_ranks(_max_diff(xs.grad, _shard(ref_gx, sequence_parallel, tp)), device),
+        param_grad_diff=max_over_ranks(max(_max_diff(grads[n], ref_grads[n]) for n in ref_grads), device),
+        sent_forward=fwd[0], sent_backward=bwd[0], calls_forward=fwd[1], calls_backward=bwd[1],
+        saved_bytes=gather_per_rank(saved), local_shapes=local)
+
+
+def blocks_task(cfg: RunConfig, with_api: bool, device) -> tuple[list[BlockResult], dict[str, int]]:
+    """``byhand`` (and ``api``) in float64 and float32, on groups of 2 and of the whole world."""
+    world = dist.get_world_size()
+    sizes = sorted({s for s in (2, world) if s > 1 and world % s == 0})
+    groups = {world: TPGroup()}
+    if 2 in sizes and world > 2:
+        groups[2] = TPGroup(dist.new_subgroups(2)[0])  # every rank joins its pair: ranks (0, 1), (2, 3), ...
+    mesh = init_device_mesh(device.type, (world,)) if with_api else None
+    results, ref_saved = [], {}
+    for dtype in ("float64", "float32"):
+        block, x, w = _block_inputs(dataclasses.replace(cfg, dtype=dtype), device)
+        ref = _reference(block, x, w)
+        ref_saved[dtype] = ref[3]
+        for size in sizes:
+            results += [run_byhand(m, block, x, w, ref, groups[size], device) for m in BYHAND]
+        if with_api:
+            results += [run_api(m, block, x, w, ref, mesh, device) for m in ("api_tp", "api_sp", "api_sp_local")]
+    return results, ref_saved
+
+
+def reference_training(cfg: RunConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single-process Adam on the whole batch (chapter 08's reference): losses and final parameters by name."""
+    losses, params = zero_compare.reference(cfg)
+    return losses, dict(zip((n for n, _ in build_model(cfg).named_parameters()), params))
+
+
+def run_mesh(cfg: RunConfig, dp: int, tp: int, device, ref: tuple[list[float], dict]) -> MeshResult:
+    """Train on a dp x tp mesh (SP when tp > 1, FSDP2 when dp > 1); compare with the reference (rank 0's)."""
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    sp = tp > 1
+    model = parallelize(build_model(cfg, device), mesh, sequence_parallel=sp)
+    tp_counter, dp_counter = comm.ByteCounter(), comm.ByteCounter()
+    if dp > 1:
+        count_fsdp_traffic(model, dp_counter)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    dp_rank, timer, losses, times, saved, partial = mesh["dp"].get_local_rank(), Timer(), [], [], 0, 0
+    for step in range(cfg.steps):
+        x, y = local_batch(cfg, step, dp_rank, dp, device)  # the TP ranks of one dp group read the same rows
+        holder: list = []
+        timer.start()
+        with CountDTensorComm(tp_counter, [mesh]):
+            opt.zero_grad()  # here, not after the step: the gradients are part of what a rank holds
+            if step == 0:
+                saved = saved_bytes_in(model.blocks, lambda: holder.append(lm_loss(model(x), y)))
+            else:
+                holder.append(lm_loss(model(x), y))
+            holder[0].backward()
+            partial = reduce_partial_grads(model)  # the LayerNorms' gradients under SP without FSDP
+            opt.step()
+        times.append(timer.stop())
+        losses.append(mean_over_ranks(holder[0].item(), device))  # TP ranks agree; the mean is over dp
+    # a copy: a replicated DTensor's full_tensor() is its local tensor, which the optimizer updates in place
+    full = {n: original_layout(n, p.full_tensor() if isinstance(p, DTensor) else p, cfg.n_heads).detach().cpu().clone()
+            for n, p in model.named_parameters()}
+    lazy = comm.ByteCounter()
+    if partial:  # once more, the optimizer reading the partial gradients itself (after the comparison)
+        opt.zero_grad()
+        lm_loss(model(x), y).backward()
+        with CountDTensorComm(lazy, [mesh]):
+            opt.step()
+    ref_losses, ref_params = ref
+    placements = {n: str(p.placements) for n, p in model.named_parameters()
+                  if n.startswith("blocks.0.") and isinstance(p, DTensor)}
+    return MeshResult(
+        dp=dp, tp=tp, sequence_parallel=sp, dtype=cfg.dtype, losses=losses,
+        max_loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses)),
+        max_param_diff=max(_max_diff(full[n], ref_params[n]) for n in ref_params),
+        held=gather_per_rank(held_bytes(model, opt)), saved_bytes=gather_per_rank(saved),
+        tp_sent_per_step={k: v / cfg.steps for k, v in tp_counter.by_op.items()},
+        dp_sent_per_step={k: v / cfg.steps for k, v in dp_counter.by_op.items()},
+        tp_calls_per_step={k: v / cfg.steps for k, v in tp_counter.calls.items()},
+        partial_grads=partial, lazy_optimizer_calls=dict(lazy.calls),
+        step_s=statistics.median(times[1:] if len(times) > 1 else times), param_placements=placements)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", default="ops,byhand,api,mesh", help="comma-separated: ops, byhand, api, mesh")
+    parser.add_argument("--cfg", default=RunConfig().to_json(), help="RunConfig as JSON (the block and the model)")
+    parser.add_argument("--layouts", default="", help="mesh task: comma-separated dp x tp, e.g. 4x1,2x2,1x4")
+    parser.add_argument("--mesh-dtypes", default="float32,float64",
+                        help="mesh task: train each layout in these dtypes (float64: equality to rounding)")
+    a = parser.parse_args()
+    cfg = RunConfig.from_json(a.cfg)
+    tasks = [t for t in a.tasks.split(",") if t]
+    unknown = set(tasks) - {"ops", "byhand", "api", "mesh"}
+    if unknown:
+        raise ValueError(f"unknown task(s) {sorted(unknown)}; choose from ops, byhand, api, mesh")
+    # full_tensor() on a 2-D sharded parameter logs a warning that it gathers in two steps: true, and harmless here
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    rank, world, device = launch.init_distributed()
+    layouts = [tuple(int(v) for v in s.split("x")) for s in a.layouts.split(",") if s] or [(world, 1)]
+    for dp, tp in layouts:
+        if dp * tp != world:
+            raise ValueError(f"layout {dp}x{tp} needs {dp * tp} ranks, the launch has {world}")
+    seed_everything(cfg.seed)
+    report = TPReport(world=world, ops={}, blocks=[], meshes=[], ref_saved_bytes={},
+                      num_params=sum(p.numel() for p in build_model(cfg).parameters()))
+    if "ops" in tasks:
+        report.ops = ops_check(device)
+    if "byhand" in tasks or "api" in tasks:
+        report.blocks, report.ref_saved_bytes = blocks_task(cfg, "api" in tasks, device)
+        if "byhand" not in tasks:
+            report.blocks = [b for b in report.blocks if b.method.startswith("api")]
+    if "mesh" in tasks:
+        for dtype in [d for d in a.mesh_dtypes.split(",") if d]:
+            c = dataclasses.replace(cfg, dtype=dtype)
+            ref = reference_training(c)
+            report.meshes += [run_mesh(c, dp, tp, device, ref) for dp, tp in layouts]
+    launch.report(dataclasses.asdict(report))
+    launch.shutdown()
+
+
+if __name__ == "__main__":
+    main()
