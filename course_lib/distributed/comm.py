@@ -166,14 +166,20 @@ class Exchange:
 
     received: list[dist.Work] = field(default_factory=list)
     sent: list[dist.Work] = field(default_factory=list)
+    _waited: set[int] = field(default_factory=set, repr=False)
+
+    def _wait(self, works: list[dist.Work]) -> None:
+        for w in works:
+            # each work once: a second wait on a gloo receive waits for another message, which never comes
+            if id(w) not in self._waited:
+                w.wait()
+                self._waited.add(id(w))
 
     def wait_received(self) -> None:
-        for w in self.received:
-            w.wait()
+        self._wait(self.received)
 
     def wait(self) -> None:
-        for w in {id(w): w for w in [*self.received, *self.sent]}.values():  # NCCL: the same work in both
-            w.wait()
+        self._wait([*self.received, *self.sent])  # on NCCL the same single work is in both lists
 
 
 def exchange(sends: Sequence[Message], recvs: Sequence[Message],
