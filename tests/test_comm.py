@@ -161,3 +161,15 @@ def test_handed_bytes_records_what_torch_distributed_receives(monkeypatch):
     assert sizes == [80, 6]
     dist.all_reduce(torch.zeros(4))  # restored: no longer recorded
     assert sizes == [80, 6]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (one per rank, NCCL)")
+def test_ring_and_wrappers_on_nccl():
+    c = CommChecks.from_dict(launch.run("course_lib.workers.selftest", 2, ["--mode", "comm"], timeout=300,
+                                        env={"COURSE_DIST_BACKEND": "nccl"}))
+    assert c.device.startswith("cuda")
+    for r in c.ring.values():  # N = 2: both messages of a step go to the same peer, the case NCCL needs batched
+        assert r.max_abs_diff < 1e-5 and r.bytes == pytest.approx(r.tensor_bytes, abs=8)
+    w = c.wrappers
+    assert w.all_reduce_ok and w.reduce_scatter_ok and w.all_gather_ok and w.broadcast_ok

@@ -190,3 +190,11 @@ def test_results_round_trip_as_dataclasses(tmp_path, monkeypatch):
     assert isinstance(back.by_key["x"], _Inner) and back.spans == [(0, "F", 0.5)]
     with pytest.raises(ValueError, match="no field.*'typo'"):
         _Inner.from_dict({"name": "a", "times": [], "typo": 1})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_gpu_rank_runs_on_nccl_with_its_tensors_on_the_gpu():
+    r = OkResult.from_dict(launch.run(WORKER, 1, ["--mode", "ok"], timeout=TIMEOUT,
+                                      env={"COURSE_DIST_BACKEND": "nccl"}))
+    assert r.backend == launch.NCCL_WITH_CPU and r.device == "cuda:0" and r.sum == 1.0

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
 
 from course_lib import plots
+from course_lib.distributed.clock import CpuClock, CudaClock, clock_for
 from course_lib.distributed.pipeline import (KINDS, OpTiming, bubble_formula, check_schedule, inflight_counts,
                                              interleaved_order, make_schedule, one_f_one_b_order, simulate)
 from course_lib.distributed.pipeline_exec import (boundary_shapes, message_batches, op_links, run_stage,
@@ -325,3 +328,139 @@ def test_real_pipeline_matches_sequential_and_formula():
     assert {r.kind for r in result.torch_api} == {"gpipe", "1f1b"}
     for run in result.torch_api:
         assert run.output_max_abs_diff < 1e-5 and run.grad_max_abs_diff < 1e-5, run
+
+
+# ----- clocks: the CPU's, and CUDA events on a GPU ----------------------------------
+
+
+class _FakeGpu:
+    """A stand-in for torch.cuda: one timeline, advanced by _sleep; events stamp it when recorded."""
+
+    rate = 2e9                                    # cycles per second of the pretend GPU
+
+    def __init__(self, monkeypatch):
+        self.now = 0.0
+        gpu = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                assert enable_timing, "timing events need enable_timing=True"
+                self.t = None
+
+            def record(self, stream=None):
+                self.t = gpu.now
+
+            def synchronize(self):
+                pass
+
+            def elapsed_time(self, other):
+                return (other.t - self.t) * 1e3  # ms, as CUDA reports it
+
+        class Stream:
+            def __init__(self, device=None):
+                pass
+
+            def wait_event(self, event):
+                pass
+
+            def wait_stream(self, stream):
+                pass
+
+        @contextlib.contextmanager
+        def same(*args, **kwargs):
+            yield
+
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+        monkeypatch.setattr(torch.cuda, "stream", same)
+        monkeypatch.setattr(torch.cuda, "device", same)
+        monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: setattr(gpu, "now", gpu.now + cycles / gpu.rate))
+
+
+def test_clock_for_picks_cuda_events_on_a_gpu(monkeypatch):
+    assert isinstance(clock_for("cpu"), CpuClock)
+    gpu = _FakeGpu(monkeypatch)
+    clock = clock_for("cuda:0")
+    assert isinstance(clock, CudaClock) and clock.name == "cuda events"
+    assert clock.cycles_per_s == pytest.approx(_FakeGpu.rate), "calibrated against the events"
+    zero = clock.start()
+    began = clock.mark()
+    gpu.now += 0.003                               # the op's own work: 3 ms on the GPU
+    token = clock.pad(began, 0.010)                # padded to 10 ms
+    end = clock.mark()
+    assert clock.elapsed(began, end) == pytest.approx(0.003 + 0.010)  # the fake runs the spin after the work
+    assert clock.seconds(end) == pytest.approx(clock.elapsed(zero, end))
+    assert clock.overran(token) is False
+
+
+def test_cpu_clock_pads_by_sleeping():
+    clock = CpuClock()
+    began = clock.mark()
+    token = clock.pad(began, 0.02)
+    assert clock.elapsed(began, clock.mark()) >= 0.02 and not clock.overran(token)
+    assert clock.overran(clock.pad(clock.mark() - 1.0, 0.02)), "work longer than the pad is an overrun"
+
+
+class _TickClock(CpuClock):
+    """Marks are 0, 1, 2, ...: shows which times run_stage takes from its clock."""
+
+    name = "ticks"
+
+    def __init__(self):
+        self.t = -1
+
+    def mark(self):
+        self.t += 1
+        return float(self.t)
+
+    def pad(self, began, seconds):
+        return False
+
+
+def test_run_stage_times_ops_with_its_clock():
+    stage = nn.Linear(2, 2)
+    xs, ys = [torch.randn(3, 2) for _ in range(2)], [torch.randn(3, 2) for _ in range(2)]
+    run = run_stage(stage, make_schedule("1f1b", 1, 2)[0], 0, 1, ((3, 2), torch.float32), inputs=xs, targets=ys,
+                    loss_fn=nn.functional.mse_loss, op_seconds={"F": 0.0, "B": 0.0}, clock=_TickClock())
+    # start, then (began, end) for each of the four ops, then the end after the last messages
+    assert run.clock == "ticks" and run.start == 0.0 and run.end == 9.0
+    assert [(op, i, b, e) for op, i, b, e in run.busy] == [("F", 0, 1.0, 2.0), ("B", 0, 3.0, 4.0),
+                                                           ("F", 1, 5.0, 6.0), ("B", 1, 7.0, 8.0)]
+    assert len(run.losses) == 2 and run.peak_inflight == 1
+
+
+@pytest.mark.parametrize("pad_ms", [5.0, 20.0])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_clock_pads_on_the_gpu(pad_ms):
+    clock = CudaClock("cuda")
+    x = torch.randn(64, 64, device="cuda")
+    began = clock.mark()
+    y = x @ x                                      # microseconds: far below the pad
+    token = clock.pad(began, pad_ms / 1e3)
+    end = clock.mark()
+    assert clock.elapsed(began, end) == pytest.approx(pad_ms / 1e3, rel=0.1)
+    assert not clock.overran(token) and y.shape == (64, 64)
+    began = clock.mark()
+    for _ in range(200):                           # far longer than 1 ms of padding
+        y = y @ x
+    assert clock.overran(clock.pad(began, 1e-3))
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (one stage per GPU, NCCL)")
+def test_real_pipeline_on_nccl_matches_and_times_with_cuda_events():
+    from course_lib.distributed import launch
+    from course_lib.workers.pipeline_run import PipelineResult
+
+    p, m = 2, 8
+    result = PipelineResult.from_dict(launch.run(
+        "course_lib.workers.pipeline_run", nproc=p, timeout=300, env={"COURSE_DIST_BACKEND": "nccl"},
+        args=["--api", "handmade", "--schedules", "gpipe,1f1b", "--microbatches", str(m),
+              "--t-forward-ms", "20", "--t-backward-ms", "40"]))
+    assert result.clock == "cuda events"
+    for run in result.handmade:
+        assert run.grad_max_abs_diff < 1e-4 and run.overruns == 0, run.kind
+        assert abs(run.bubble_measured - bubble_formula(p, m)) <= 0.05, (run.kind, run.bubble_measured)
