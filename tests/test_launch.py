@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.distributed import launch
-from course_lib.distributed.launch import WorkerResult
+from course_lib.distributed.results import WorkerResult
 from course_lib.workers.selftest import OkResult
 
 WORKER = "course_lib.workers.selftest"

@@ -1,8 +1,11 @@
 """Distributed training (chapters 06-08).
 
 - ``launch``: run worker modules under torchrun from a notebook or a test; the worker's init/report/shutdown.
-- ``comm``: collectives that count the bytes they send; a hand-written ring all-reduce.
-- ``ddp``: ``NaiveDDP`` and ``BucketedDDP``, the teaching versions of ``DistributedDataParallel`` (chapter 06).
+- ``results``: the dataclasses workers report, rebuilt on the parent's side with ``from_dict``.
+- ``clock``: timing on the CPU (``perf_counter``) or the GPU (CUDA events), with padding to a fixed duration.
+- ``comm``: collectives that count the bytes they send; batched point-to-point messages; a hand-written ring all-reduce.
+- ``ddp``: ``NaiveDDP`` and ``BucketedDDP``, the teaching versions of ``DistributedDataParallel`` (chapter 06);
+  ``ddp_dynamic``: ``DynamicBucketedDDP``, for hook counts, unused parameters and re-sends.
 - ``pipeline``: pipeline schedules as data and their simulator; ``pipeline_exec``: a multi-process executor (chapter 07).
 - ``zero``: ZeRO-1/2 by hand (``ZeroOptimizer``) and FSDP2's traffic and memory measured (chapter 08).
 

@@ -14,7 +14,7 @@ Worker side, in ``course_lib/workers/<name>.py``::
 
     rank, world, device = init_distributed()
     ...
-    report(MyResult(loss=0.1))    # a dataclass deriving from WorkerResult (or a plain dict)
+    report(MyResult(loss=0.1))    # a results.WorkerResult dataclass (or a plain dict)
     shutdown()
 
 and the parent reads it back typed: ``MyResult.from_dict(run(...))``.
@@ -37,16 +37,15 @@ import signal
 import subprocess
 import sys
 import tempfile
-import types
-import typing
 import uuid
 import warnings
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from course_lib.distributed.results import WorkerResult
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULT_ENV = "COURSE_RESULT_FILE"
@@ -277,46 +276,10 @@ def add_timeout_arg(parser: argparse.ArgumentParser) -> None:
                         help=f"process-group timeout in seconds (default {PG_TIMEOUT_S:.0f})")
 
 
-class WorkerResult:
-    """Base of the dataclasses a worker fills: ``report(result)`` sends ``dataclasses.asdict(result)``,
-    and the parent rebuilds the same dataclass with ``Result.from_dict(launch.run(...))``."""
-
-    @classmethod
-    def from_dict(cls: type[R], data: dict) -> R:
-        return _build(cls, data)
-
-
-R = TypeVar("R", bound=WorkerResult)
-
-
-def _build(tp: Any, value: Any) -> Any:
-    """``value`` (plain JSON) as type ``tp``: dataclasses, lists, tuples, dicts and ``X | None``, recursively."""
-    if value is None:
-        return None
-    if dataclasses.is_dataclass(tp):
-        hints = typing.get_type_hints(tp)
-        names = {f.name for f in dataclasses.fields(tp)}
-        unknown = set(value) - names
-        if unknown:
-            raise ValueError(f"{tp.__name__} has no field(s) {sorted(unknown)}: the worker and the parent disagree "
-                             "about the result (a stale worker module?)")
-        return tp(**{k: _build(hints[k], v) for k, v in value.items()})
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):  # X | None
-        return _build(next(a for a in args if a is not type(None)), value)
-    if origin is list:
-        return [_build(args[0], v) for v in value]
-    if origin is tuple:
-        items = args[:1] * len(value) if len(args) == 2 and args[1] is Ellipsis else args
-        return tuple(_build(a, v) for a, v in zip(items, value))
-    if origin is dict:
-        return {k: _build(args[1], v) for k, v in value.items()}
-    return value
-
-
 def report(result: dict | WorkerResult) -> None:
-    """Rank 0 writes ``result`` (a dataclass, or a dict of JSON values) for ``run`` to return; others do nothing.
+    """Rank 0 writes ``result`` (a dataclass, see ``results``, or a dict of JSON values) for ``run`` to return.
 
+    Other ranks do nothing.
     Run by hand under torchrun (no ``$COURSE_RESULT_FILE``), rank 0 prints it instead.
     """
     if int(os.environ.get("RANK", "0")) != 0:

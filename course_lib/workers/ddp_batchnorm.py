@@ -23,7 +23,7 @@ from torch import nn
 
 from course_lib.distributed import launch
 from course_lib.distributed.ddp import NaiveDDP
-from course_lib.distributed.launch import WorkerResult
+from course_lib.distributed.results import WorkerResult
 
 
 class _AllReduceSum(torch.autograd.Function):

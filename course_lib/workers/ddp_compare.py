@@ -37,7 +37,7 @@ from course_lib.distributed import comm, launch
 from course_lib.distributed.clock import Clock, clock_for
 from course_lib.distributed.ddp import BucketedDDP, NaiveDDP, counting_allreduce_hook
 from course_lib.distributed.ddp_dynamic import DynamicBucketedDDP
-from course_lib.distributed.launch import WorkerResult
+from course_lib.distributed.results import WorkerResult
 from course_lib.models import MLP
 from course_lib.workers.ddp_batchnorm import BatchNormResult, batchnorm_checks
 

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from course_lib import data
 from course_lib.distributed import comm, launch
 from course_lib.distributed.clock import Clock, clock_for
-from course_lib.distributed.launch import WorkerResult
+from course_lib.distributed.results import WorkerResult
 from course_lib.models import ResNet
 
 

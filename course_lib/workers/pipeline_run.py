@@ -26,7 +26,7 @@ import torch.distributed as dist
 from course_lib.data import make_tokens
 from course_lib.distributed import launch
 from course_lib.distributed.clock import Clock, clock_for
-from course_lib.distributed.launch import WorkerResult
+from course_lib.distributed.results import WorkerResult
 from course_lib.distributed.pipeline import bubble_formula, make_schedule, simulate
 from course_lib.distributed.pipeline_exec import (StageRun, boundary_shapes, measured_bubble, run_stage,
                                                   split_sequential)

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.distributed import comm, launch
-from course_lib.distributed.launch import WorkerResult
+from course_lib.distributed.results import WorkerResult
 
 FOREVER_S = 3600  # longer than any test's timeout
 
