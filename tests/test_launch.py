@@ -108,7 +108,8 @@ def test_backend_follows_the_gpus(gpus):
 def test_a_cpu_profile_on_a_gpu_node_says_so(gpus, monkeypatch):
     gpus(4)
     monkeypatch.setenv("COURSE_PROFILE", "cpu")
-    with pytest.warns(UserWarning, match="COURSE_PROFILE=cpu keeps the 4 local ranks on the CPU.*COURSE_DIST_BACKEND=nccl"):
+    with pytest.warns(UserWarning, match="COURSE_PROFILE=cpu keeps the 4 local ranks on the CPU.*"
+                                         "COURSE_DIST_BACKEND=nccl"):
         assert launch.pick_backend(4) == "gloo"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning for the other local ranks, nor when there are no GPUs

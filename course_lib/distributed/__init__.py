@@ -3,10 +3,10 @@
 - ``launch``: run worker modules under torchrun from a notebook or a test; the worker's init/report/shutdown.
 - ``results``: the dataclasses workers report, rebuilt on the parent's side with ``from_dict``.
 - ``clock``: timing on the CPU (``perf_counter``) or the GPU (CUDA events), with padding to a fixed duration.
-- ``comm``: collectives that count the bytes they send; batched point-to-point messages; a hand-written ring all-reduce.
+- ``comm``: collectives that count the bytes they send, batched point-to-point messages, a ring all-reduce by hand.
 - ``ddp``: ``NaiveDDP`` and ``BucketedDDP``, the teaching versions of ``DistributedDataParallel`` (chapter 06);
   ``ddp_dynamic``: ``DynamicBucketedDDP``, for hook counts, unused parameters and re-sends.
-- ``pipeline``: pipeline schedules as data and their simulator; ``pipeline_exec``: a multi-process executor (chapter 07).
+- ``comm``: collectives that count the bytes they send, batched point-to-point messages, a ring all-reduce.
 - ``zero``: ZeRO-1/2 by hand (``ZeroOptimizer``) and FSDP2's traffic and memory measured (chapter 08).
 
 Worker entry points live in ``course_lib.workers``.

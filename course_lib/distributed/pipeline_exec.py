@@ -209,8 +209,8 @@ def run_stage(stage: nn.Module, order: Sequence[tuple[str, int]], rank: int, wor
                 y.backward(grad)
             alive_bytes -= nbytes                         # the graph of micro-batch i is freed here
             outgoing = None if first else x.grad.contiguous()
-        # the op's time is up (padded, if asked) before its result leaves, with the next batch
-        pads.append(clock.pad(began, op_seconds[op]) if op_seconds is not None else False)
+        if op_seconds is not None:                    # the op's time is up before its result leaves
+            pads.append(clock.pad(began, op_seconds[op]))
         marks.append((op, i, began, clock.mark()))
     post(len(order), None)
     for ex, _ in in_flight:
@@ -219,8 +219,8 @@ def run_stage(stage: nn.Module, order: Sequence[tuple[str, int]], rank: int, wor
     return StageRun(rank, clock.seconds(start), clock.seconds(end),
                     busy=[(op, i, clock.seconds(b), clock.seconds(e)) for op, i, b, e in marks],
                     peak_inflight=peak_inflight, peak_activation_bytes=peak_bytes,
-                    overruns=sum(clock.overran(t) for t in pads) if op_seconds is not None else 0,
-                    outputs=[o.cpu() for o in outputs], losses=[loss.item() * num_mb for loss in losses], clock=clock.name)
+                    overruns=sum(clock.overran(t) for t in pads), outputs=[o.cpu() for o in outputs],
+                    losses=[loss.item() * num_mb for loss in losses], clock=clock.name)
 
 
 def measured_bubble(runs: Sequence[StageRun]) -> dict[str, float]:
