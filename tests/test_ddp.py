@@ -1,4 +1,4 @@
-"""NaiveDDP, BucketedDDP and torch DDP equal one process on the whole batch (2 gloo ranks, one launch)."""
+"""NaiveDDP, BucketedDDP, DynamicBucketedDDP and torch DDP against one process on the whole batch (2 gloo ranks)."""
 
 from __future__ import annotations
 
@@ -6,68 +6,99 @@ import pytest
 
 from course_lib.distributed import launch
 from course_lib.distributed.ddp import BucketedDDP, NaiveDDP, assign_buckets
+from course_lib.distributed.ddp_dynamic import DynamicBucketedDDP
 from course_lib.models import MLP
+from course_lib.workers.ddp_compare import SUPPORTED, CompareResult
 
 TOL = 1e-5
 WORLD = 2
+TIMING_IN, TIMING_HIDDEN = 128, (128, 128)
 
 
 @pytest.fixture(scope="module")
-def result() -> dict:
+def result() -> CompareResult:
     # one launch for every check: starting ranks is the slow part on a small machine
-    return launch.run("course_lib.workers.ddp_compare", WORLD,
-                      ["--steps", "4", "--timing-rounds", "1", "--timing-steps", "2", "--timing-in", "128",
-                       "--timing-hidden", "128", "128", "--bn"], timeout=240)
+    return CompareResult.from_dict(launch.run(
+        "course_lib.workers.ddp_compare", WORLD,
+        ["--steps", "4", "--timing-rounds", "1", "--timing-steps", "2", "--timing-in", str(TIMING_IN),
+         "--timing-hidden", *map(str, TIMING_HIDDEN), "--bn"], timeout=240))
 
 
-@pytest.mark.parametrize("scenario", ["frozen_shared", "reentrant", "unused"])
-@pytest.mark.parametrize("kind", ["naive", "bucketed", "torch"])
+CASES = [(kind, scenario) for kind, scenarios in SUPPORTED.items() for scenario in scenarios]
+
+
+@pytest.mark.parametrize("kind, scenario", CASES)
 def test_equal_to_single_process(result, scenario, kind):
-    r = result["equal"][scenario][kind]
-    assert r["grad_diff"] < TOL, f"{kind} gradients differ from one process ({scenario}): {r['grad_diff']}"
-    assert r["param_diff"] < TOL, f"{kind} parameters differ after the steps ({scenario}): {r['param_diff']}"
-    assert r["none_match"], f"{kind}: a parameter without gradient in one process got one (or the reverse)"
+    r = result.equal[scenario][kind]
+    assert r.grad_diff < TOL, f"{kind} gradients differ from one process ({scenario}): {r.grad_diff}"
+    assert r.param_diff < TOL, f"{kind} parameters differ after the steps ({scenario}): {r.param_diff}"
+    assert r.none_match, f"{kind}: a parameter without gradient in one process got one (or the reverse)"
+
+
+def test_every_wrapper_is_checked_where_it_claims_to_work():
+    assert set(SUPPORTED["dynamic"]) == set(SUPPORTED["naive"]) == {"frozen_shared", "reentrant", "unused"}
+    assert SUPPORTED["bucketed"] == ("frozen_shared",)
+
+
+def test_bucketed_ddp_is_wrong_where_it_says_it_would_be(result):
+    # a bucket sent at a parameter's first hook call misses the second accumulation
+    assert result.equal["reentrant"]["bucketed"].grad_diff > 1e-3
+    # an unused parameter gets a zero gradient instead of None: momentum moves it, unlike in one process
+    unused = result.equal["unused"]["bucketed"]
+    assert not unused.none_match and unused.param_diff > 1e-4
 
 
 def test_hooks_fire_twice_under_reentrant_checkpoint(result):
-    r = result["equal"]["reentrant"]
-    assert r["bucketed"]["max_hook_calls"] == 2, "the checkpointed shared block accumulates twice per backward"
-    assert r["bucketed"]["resent"] == 0, "with learned counts no bucket should leave early"
-    assert r["bucketed_first_call"]["resent"] > 0, "sending at the first hook call sends stale gradients"
+    r = result.equal["reentrant"]
+    assert r["dynamic"].max_hook_calls == 2, "the checkpointed shared block accumulates twice per backward"
+    assert r["dynamic"].resent == 0, "with learned counts no bucket should leave early"
+    first = r["dynamic_first_call"]
+    assert first.resent > 0, "counting one call per parameter sends stale buckets, caught and re-sent"
+    assert first.grad_diff < TOL, "the re-sends repair them"
 
 
 def test_graph_change_resends_and_stays_equal(result):
-    r = result["equal"]["unused"]["bucketed"]
-    assert r["resent"] >= 1, "the aux head, unused on step 0, arrives late on odd steps: its bucket is re-sent"
+    r = result.equal["unused"]["dynamic"]
+    assert r.resent >= 1, "the aux head, unused on step 0, arrives late on odd steps: its bucket is re-sent"
 
 
 def test_no_sync_saves_k_minus_1_all_reduces(result):
-    n = result["no_sync"]
-    k = n["k"]
-    for kind in ("torch", "bucketed"):
-        assert n[f"{kind}_every_micro_batch"] == k * n[f"{kind}_no_sync"], n
-        assert n[f"{kind}_grad_diff"] < 1e-6, "no_sync must give the same accumulated gradient"
-    assert n["bucketed_buckets"] >= 2
+    n = result.no_sync
+    for kind in ("torch", "bucketed", "dynamic"):
+        assert n.every_micro_batch[kind] == n.k * n.no_sync[kind], n
+        assert n.grad_diff[kind] < 1e-6, "no_sync must give the same accumulated gradient"
+    assert n.buckets["bucketed"] >= 2
 
 
-def test_communication_volume(result):
-    t = result["timing"]
-    factor = 2 * (WORLD - 1) / WORLD
-    assert t["sent"]["naive"]["bytes"] == factor * t["grad_bytes"]
-    assert t["sent"]["torch"]["bytes"] == factor * t["grad_bytes"]
-    # BucketedDDP adds a 4-byte "has a gradient" flag per tensor and a "sent too early" flag per bucket
-    buckets = t["sent"]["bucketed"]["messages"]
-    assert t["sent"]["bucketed"]["bytes"] == factor * (t["grad_bytes"] + 4 * (t["tensors"] + buckets))
-    assert t["sent"]["naive"]["messages"] == t["tensors"], "NaiveDDP sends one message per tensor"
-    assert t["sent"]["bucketed"]["messages"] < t["tensors"]
+def test_communication_volume_against_the_model_and_the_process_group(result):
+    """Bytes from the model's own parameter count and from what dist.all_reduce was handed, not from the counter."""
+    model = MLP(TIMING_IN, TIMING_HIDDEN)
+    grad_bytes = 4 * sum(p.numel() for p in model.parameters())            # float32
+    tensors = len(list(model.parameters()))
+    factor = 2 * (WORLD - 1) / WORLD                                          # the ring: 2(N-1)/N per rank
+    s = result.timing.sent
+    assert result.timing.grad_bytes == grad_bytes and result.timing.tensors == tensors
+    # what the process group received: the gradients, plus NaiveDDP's separate 0/1 flags per tensor
+    # and DynamicBucketedDDP's flags per tensor and per bucket (float32 each)
+    assert s["naive"].handed_bytes == grad_bytes + 4 * tensors and s["naive"].handed_calls == tensors + 1
+    assert s["bucketed"].handed_bytes == grad_bytes and s["torch"].handed_bytes == grad_bytes
+    buckets = s["dynamic"].handed_calls
+    assert s["dynamic"].handed_bytes == grad_bytes + 4 * (tensors + buckets)
+    # the counted bytes: the ring formula applied to what was handed over (NaiveDDP's flags are bookkeeping)
+    assert s["naive"].bytes == factor * grad_bytes
+    for kind in ("bucketed", "dynamic", "torch"):
+        assert s[kind].bytes == factor * s[kind].handed_bytes, kind
+        assert s[kind].messages == s[kind].handed_calls, kind
+    assert s["naive"].messages == tensors, "NaiveDDP sends one message per tensor"
+    assert s["bucketed"].messages < tensors
 
 
 def test_sync_batchnorm(result):
-    bn = result["batchnorm"]
-    assert bn["sync_bn_by_hand_grad_diff"] < TOL
-    assert bn["per_rank_bn_grad_diff"] > 1e-4, "per-rank statistics should change the gradient"
-    assert bn["per_rank_bn_grad_diff"] > 100 * bn["sync_bn_by_hand_grad_diff"]
-    assert bn["per_rank_bn_running_mean_spread"] > 0 and bn["sync_bn_by_hand_running_mean_spread"] == 0
+    bn = result.batchnorm
+    assert bn.grad_diff["sync_bn_by_hand"] < TOL
+    assert bn.grad_diff["per_rank_bn"] > 1e-4, "per-rank statistics should change the gradient"
+    assert bn.grad_diff["per_rank_bn"] > 100 * bn.grad_diff["sync_bn_by_hand"]
+    assert bn.running_mean_spread["per_rank_bn"] > 0 and bn.running_mean_spread["sync_bn_by_hand"] == 0
 
 
 def test_assign_buckets():
@@ -85,3 +116,5 @@ def test_wrappers_need_a_process_group():
         NaiveDDP(MLP(8, (4,)))
     with pytest.raises(ValueError, match="bucket_cap_mb"):
         BucketedDDP(MLP(8, (4,)), bucket_cap_mb=0)
+    with pytest.raises(RuntimeError, match="process group"):
+        DynamicBucketedDDP(MLP(8, (4,)))

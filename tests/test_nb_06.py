@@ -24,10 +24,19 @@ def test_split_gradient_identity(claims):
 def test_hook_counts(claims):
     assert claims["ch06/hook_calls_used_twice"] == 1
     assert claims["ch06/hook_calls_reentrant_checkpoint"] == 2
-    assert claims["ch06/bucketed_hook_calls_reentrant"] == 2
-    assert claims["ch06/bucketed_resent_learned_counts"] == 0
-    assert claims["ch06/bucketed_resent_first_call"] > 0
-    assert claims["ch06/bucketed_resent_graph_change"] >= 1
+    assert claims["ch06/dynamic_hook_calls_reentrant"] == 2
+    assert claims["ch06/dynamic_resent_learned_counts"] == 0
+    assert claims["ch06/dynamic_resent_first_call"] > 0
+    assert claims["ch06/dynamic_first_call_grad_diff"] < TOL, "the re-sends repair the early buckets"
+    assert claims["ch06/dynamic_resent_graph_change"] >= 1
+
+
+def test_bucketed_ddp_fails_where_the_text_says(claims):
+    # "differ from the single process's by far more than rounding"; "the None pattern differs and the
+    # parameters drift apart"
+    assert claims["ch06/bucketed_grad_diff_reentrant"] > 1000 * TOL
+    assert claims["ch06/bucketed_none_match_unused"] is False
+    assert claims["ch06/bucketed_param_diff_unused"] > 100 * TOL
 
 
 def test_buckets_grow_in_number_as_the_cap_shrinks(claims):
@@ -40,7 +49,7 @@ def test_sampler(claims):
     assert claims["ch06/sampler_padded_indices"] == 2  # 10 indices on 4 ranks: 3 each, 2 repeated
 
 
-@pytest.mark.parametrize("kind", ["naive", "bucketed", "torch"])
+@pytest.mark.parametrize("kind", ["naive", "bucketed", "dynamic", "torch"])
 def test_wrappers_equal_single_process(claims, kind):
     assert claims[f"ch06/grad_max_abs_diff/{kind}"] < TOL
     assert claims[f"ch06/param_max_abs_diff/{kind}"] < TOL
@@ -54,20 +63,14 @@ def test_messages_and_bytes(claims):
     tensors = claims["ch06/tensors_in_timing_model"]
     assert claims["ch06/messages_per_step/naive"] == tensors
     assert claims["ch06/messages_per_step/bucketed"] < tensors
-    for kind in ("naive", "torch"):
-        assert claims[f"ch06/bytes_sent_over_grad_bytes/{kind}"] == 1.0, "2(N-1)/N = 1 at N = 2"
-    assert claims["ch06/bytes_sent_over_grad_bytes/bucketed"] == pytest.approx(1.0, abs=1e-3)  # + flags
-
-
-def test_step_times(claims):
     for kind in ("naive", "bucketed", "torch"):
-        assert claims[f"ch06/step_ms/{kind}"] > 0
-    # Loose on purpose: a busy 2-core machine moves these by tens of percent (the benchmark has the 1.2 goal).
-    assert claims["ch06/bucketed_over_torch_step_time"] < 3.0
+        assert claims[f"ch06/bytes_sent_over_grad_bytes/{kind}"] == 1.0, "2(N-1)/N = 1 at N = 2"
+    extra = claims["ch06/bytes_sent_over_grad_bytes/dynamic"] - 1.0  # + 4-byte flags
+    assert 0 < extra < 1e-3
 
 
 def test_no_sync(claims):
-    for kind in ("torch", "bucketed"):
+    for kind in ("torch", "bucketed", "dynamic"):
         assert claims[f"ch06/no_sync_allreduce_ratio/{kind}"] == 4.0, "k = 4 micro-batches: 4x fewer all-reduces"
         assert claims[f"ch06/no_sync_grad_max_abs_diff/{kind}"] < 1e-6
 
@@ -85,9 +88,13 @@ def test_ring_all_reduce_volume(claims):
     assert claims["ch06/ring_all_reduce_max_abs_diff"] < TOL
 
 
-def test_weak_scaling(claims):
-    eff = claims["ch06/scaling_efficiency"]
-    assert all(v > 0 for v in claims["ch06/scaling_samples_per_s"].values())
-    if claims["ch06/cpu_count"] <= 2 and "4" in eff:
-        # four ranks on two cores cannot do four ranks' work in one rank's time
-        assert eff["4"] < 1.0
+def test_weak_scaling_gives_every_rank_the_same_work(claims):
+    # DistributedSampler: each rank's shard is its batches for the warm-up and the timed steps, at every N
+    per_rank = claims["ch06/scaling_batch_per_rank"] * (claims["ch06/scaling_steps"] + 1)
+    assert set(claims["ch06/scaling_shard_sizes"].values()) == {per_rank}
+    # "the CPU time of compute alone should stay about the same": the work per rank does not grow with N
+    # (CPU time, not wall-clock time, so a busy machine does not move it; the timing ratios are benchmarks)
+    cpu = claims["ch06/scaling_compute_cpu_ms"]
+    one = cpu[min(cpu, key=int)]
+    for n, v in cpu.items():
+        assert 0.6 < v / one < 1.6, f"N={n}: {v:.1f} ms of CPU per rank and step against {one:.1f} at one rank"

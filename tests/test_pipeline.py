@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
 
 from course_lib import plots
+from course_lib.distributed.clock import CpuClock, CudaClock, clock_for
 from course_lib.distributed.pipeline import (KINDS, OpTiming, bubble_formula, check_schedule, inflight_counts,
                                              interleaved_order, make_schedule, one_f_one_b_order, simulate)
-from course_lib.distributed.pipeline_exec import boundary_shapes, run_stage, split_sequential
+from course_lib.distributed.pipeline_exec import (boundary_shapes, message_batches, op_links, run_stage,
+                                                  split_sequential)
 
 GRID = [(p, m) for p in (1, 2, 3, 4, 5, 8) for m in (1, 2, 3, 4, 7, 8, 16, 33)]
 
@@ -204,27 +208,259 @@ def test_run_stage_checks_its_inputs_before_communicating():
         run_stage(stage, [("F", 0), ("B", 0)], rank=1, world=2, in_shape=((1, 2), torch.float32))
 
 
+# ----- messages: batched so that NCCL cannot deadlock --------------------------------
+
+
+def _nccl_completes(groups_per_rank: list[list[list[tuple[str, int]]]]) -> bool:
+    """Play each rank's message groups with NCCL's rules; False if they deadlock.
+
+    A rank's groups run one after the other on its stream; a group finishes
+    when each of its messages has met its partner in the peer's running group.
+    NCCL ignores tags and pairs the messages of a (sender, receiver) pair in
+    order. Messages are ``("send" | "recv", peer)``.
+    """
+    p = len(groups_per_rank)
+    current = [0] * p                                      # the running group of each rank
+    done = [[set() for _ in groups] for groups in groups_per_rank]
+    sent_before: dict = {}                                 # (src, dst, n) -> the n-th message of that pair
+
+    def nth(rank, g, j):
+        kind, peer = groups_per_rank[rank][g][j]
+        key = (rank, peer) if kind == "send" else (peer, rank)
+        n = sum(1 for gg in range(g + 1) for jj, (k2, q2) in enumerate(groups_per_rank[rank][gg])
+                if (gg < g or jj < j) and k2 == kind and q2 == peer)
+        return key, n
+
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            while current[r] < len(groups_per_rank[r]) and \
+                    len(done[r][current[r]]) == len(groups_per_rank[r][current[r]]):
+                current[r] += 1
+                progress = True
+            if current[r] == len(groups_per_rank[r]):
+                continue
+            g = current[r]
+            for j, (kind, peer) in enumerate(groups_per_rank[r][g]):
+                if j in done[r][g] or kind != "send" or current[peer] >= len(groups_per_rank[peer]):
+                    continue
+                key, n = nth(r, g, j)
+                pg = current[peer]                         # the partner must be in the peer's running group
+                for jj, (k2, q2) in enumerate(groups_per_rank[peer][pg]):
+                    if k2 == "recv" and q2 == r and jj not in done[peer][pg] and nth(peer, pg, jj) == (key, n):
+                        done[r][g].add(j)
+                        done[peer][pg].add(jj)
+                        progress = True
+    return all(c == len(g) for c, g in zip(current, groups_per_rank))
+
+
+def _batched_groups(kind: str, p: int, m: int) -> list:
+    out = []
+    for rank, order in enumerate(make_schedule(kind, p, m)):
+        groups = [[("send", s[0]) for s in sends] + [("recv", r[0]) for r in recvs]
+                  for sends, recvs in message_batches(order, rank, p)]
+        out.append([g for g in groups if g])
+    return out
+
+
+def _one_by_one_groups(kind: str, p: int, m: int) -> list:
+    """Each receive before its op, each send after it, every message its own group (plain isend / recv)."""
+    out = []
+    for rank, order in enumerate(make_schedule(kind, p, m)):
+        groups = []
+        for op in order:
+            recv, send = op_links(op, rank, p)
+            groups += ([[("recv", recv[0])]] if recv else []) + ([[("send", send[0])]] if send else [])
+        out.append(groups)
+    return out
+
+
+def test_message_batches_pair_each_send_with_the_next_receive():
+    # stage 1 of 3 under 1F1B, m = 2: F0 F1 B0 B1 (one warm-up forward)
+    order = make_schedule("1f1b", 3, 2)[1]
+    assert order == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+    assert message_batches(order, 1, 3) == [
+        ([], [(0, 0)]),                # receive F0's activation
+        ([(2, 0)], [(0, 2)]),          # send it on, receive F1's
+        ([(2, 2)], [(2, 1)]),          # send F1's on, receive B0's gradient from the next stage
+        ([(0, 1)], [(2, 3)]),          # send B0's gradient back, receive B1's
+        ([(0, 3)], []),                # send B1's back
+    ]
+    assert message_batches([("F", 0), ("B", 0)], 0, 1) == [([], []), ([], []), ([], [])]  # one stage: none
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_batched_messages_cannot_deadlock_on_nccl(kind):
+    for p, m in GRID:
+        if p > 1:
+            assert _nccl_completes(_batched_groups(kind, p, m)), (kind, p, m)
+
+
+def test_one_message_per_call_deadlocks_1f1b_on_nccl():
+    # what the checker exists to catch: neighbours that both send first, then receive from each other
+    assert not _nccl_completes(_one_by_one_groups("1f1b", 2, 2))
+    assert _nccl_completes(_one_by_one_groups("gpipe", 2, 2))  # GPipe's messages never cross
+
+
 # ----- one real run: 3 processes, both schedules, both executors --------------------
 
 
 @pytest.mark.slow
 def test_real_pipeline_matches_sequential_and_formula():
     from course_lib.distributed import launch
+    from course_lib.workers.pipeline_run import PipelineResult
 
     p, m = 3, 6
-    result = launch.run("course_lib.workers.pipeline_run", nproc=p, timeout=150, env={"COURSE_PROFILE": "smoke"},
-                        args=["--api", "both", "--schedules", "gpipe,1f1b", "--microbatches", str(m),
-                              "--t-forward-ms", "50", "--t-backward-ms", "100", "--repeats", "2"])
-    assert result["world"] == p and result["backend"] == "gloo"
-    for run in result["handmade"]:
-        kind = run["kind"]
-        assert run["output_max_abs_diff"] < 1e-5 and run["grad_max_abs_diff"] < 1e-5, run
-        assert abs(run["bubble_measured"] - bubble_formula(p, m)) <= 0.05, (kind, run["bubble_measured_all"])
-        expected = [m] * p if kind == "gpipe" else [min(p - s, m) for s in range(p)]
-        assert run["peak_inflight"] == expected
-        assert len(run["timings"]) == 2 * m * p
-    gp, ofob = (next(r for r in result["handmade"] if r["kind"] == k) for k in ("gpipe", "1f1b"))
-    assert gp["peak_activation_bytes"][0] == pytest.approx(2 * ofob["peak_activation_bytes"][0])  # m / p = 2
-    assert {r["kind"] for r in result["torch_api"]} == {"gpipe", "1f1b"}
-    for run in result["torch_api"]:
-        assert run["output_max_abs_diff"] < 1e-5 and run["grad_max_abs_diff"] < 1e-5, run
+    result = PipelineResult.from_dict(launch.run(
+        "course_lib.workers.pipeline_run", nproc=p, timeout=150, env={"COURSE_DIST_BACKEND": "gloo"},
+        args=["--api", "both", "--schedules", "gpipe,1f1b", "--microbatches", str(m),
+              "--t-forward-ms", "50", "--t-backward-ms", "100", "--repeats", "2"]))
+    assert result.world == p and result.backend == "gloo" and result.clock == "perf_counter"
+    for run in result.handmade:
+        assert run.output_max_abs_diff < 1e-5 and run.grad_max_abs_diff < 1e-5, run
+        assert abs(run.bubble_measured - bubble_formula(p, m)) <= 0.05, (run.kind, run.bubble_measured_all)
+        expected = [m] * p if run.kind == "gpipe" else [min(p - s, m) for s in range(p)]
+        assert run.peak_inflight == expected
+        assert len(run.timings) == 2 * m * p
+    gp, ofob = (next(r for r in result.handmade if r.kind == k) for k in ("gpipe", "1f1b"))
+    assert gp.peak_activation_bytes[0] == pytest.approx(2 * ofob.peak_activation_bytes[0])  # m / p = 2
+    assert {r.kind for r in result.torch_api} == {"gpipe", "1f1b"}
+    for run in result.torch_api:
+        assert run.output_max_abs_diff < 1e-5 and run.grad_max_abs_diff < 1e-5, run
+
+
+# ----- clocks: the CPU's, and CUDA events on a GPU ----------------------------------
+
+
+class _FakeGpu:
+    """A stand-in for torch.cuda: one timeline, advanced by _sleep; events stamp it when recorded."""
+
+    rate = 2e9                                    # cycles per second of the pretend GPU
+
+    def __init__(self, monkeypatch):
+        self.now = 0.0
+        gpu = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                assert enable_timing, "timing events need enable_timing=True"
+                self.t = None
+
+            def record(self, stream=None):
+                self.t = gpu.now
+
+            def synchronize(self):
+                pass
+
+            def elapsed_time(self, other):
+                return (other.t - self.t) * 1e3  # ms, as CUDA reports it
+
+        class Stream:
+            def __init__(self, device=None):
+                pass
+
+            def wait_event(self, event):
+                pass
+
+            def wait_stream(self, stream):
+                pass
+
+        @contextlib.contextmanager
+        def same(*args, **kwargs):
+            yield
+
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+        monkeypatch.setattr(torch.cuda, "stream", same)
+        monkeypatch.setattr(torch.cuda, "device", same)
+        monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: setattr(gpu, "now", gpu.now + cycles / gpu.rate))
+
+
+def test_clock_for_picks_cuda_events_on_a_gpu(monkeypatch):
+    assert isinstance(clock_for("cpu"), CpuClock)
+    gpu = _FakeGpu(monkeypatch)
+    clock = clock_for("cuda:0")
+    assert isinstance(clock, CudaClock) and clock.name == "cuda events"
+    assert clock.cycles_per_s == pytest.approx(_FakeGpu.rate), "calibrated against the events"
+    zero = clock.start()
+    began = clock.mark()
+    gpu.now += 0.003                               # the op's own work: 3 ms on the GPU
+    token = clock.pad(began, 0.010)                # padded to 10 ms
+    end = clock.mark()
+    assert clock.elapsed(began, end) == pytest.approx(0.003 + 0.010)  # the fake runs the spin after the work
+    assert clock.seconds(end) == pytest.approx(clock.elapsed(zero, end))
+    assert clock.overran(token) is False
+
+
+def test_cpu_clock_pads_by_sleeping():
+    clock = CpuClock()
+    began = clock.mark()
+    token = clock.pad(began, 0.02)
+    assert clock.elapsed(began, clock.mark()) >= 0.02 and not clock.overran(token)
+    assert clock.overran(clock.pad(clock.mark() - 1.0, 0.02)), "work longer than the pad is an overrun"
+
+
+class _TickClock(CpuClock):
+    """Marks are 0, 1, 2, ...: shows which times run_stage takes from its clock."""
+
+    name = "ticks"
+
+    def __init__(self):
+        self.t = -1
+
+    def mark(self):
+        self.t += 1
+        return float(self.t)
+
+    def pad(self, began, seconds):
+        return False
+
+
+def test_run_stage_times_ops_with_its_clock():
+    stage = nn.Linear(2, 2)
+    xs, ys = [torch.randn(3, 2) for _ in range(2)], [torch.randn(3, 2) for _ in range(2)]
+    run = run_stage(stage, make_schedule("1f1b", 1, 2)[0], 0, 1, ((3, 2), torch.float32), inputs=xs, targets=ys,
+                    loss_fn=nn.functional.mse_loss, op_seconds={"F": 0.0, "B": 0.0}, clock=_TickClock())
+    # start, then (began, end) for each of the four ops, then the end after the last messages
+    assert run.clock == "ticks" and run.start == 0.0 and run.end == 9.0
+    assert [(op, i, b, e) for op, i, b, e in run.busy] == [("F", 0, 1.0, 2.0), ("B", 0, 3.0, 4.0),
+                                                           ("F", 1, 5.0, 6.0), ("B", 1, 7.0, 8.0)]
+    assert len(run.losses) == 2 and run.peak_inflight == 1
+
+
+@pytest.mark.parametrize("pad_ms", [5.0, 20.0])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_clock_pads_on_the_gpu(pad_ms):
+    clock = CudaClock("cuda")
+    x = torch.randn(64, 64, device="cuda")
+    began = clock.mark()
+    y = x @ x                                      # microseconds: far below the pad
+    token = clock.pad(began, pad_ms / 1e3)
+    end = clock.mark()
+    assert clock.elapsed(began, end) == pytest.approx(pad_ms / 1e3, rel=0.1)
+    assert not clock.overran(token) and y.shape == (64, 64)
+    began = clock.mark()
+    for _ in range(200):                           # far longer than 1 ms of padding
+        y = y @ x
+    assert clock.overran(clock.pad(began, 1e-3))
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (one stage per GPU, NCCL)")
+def test_real_pipeline_on_nccl_matches_and_times_with_cuda_events():
+    from course_lib.distributed import launch
+    from course_lib.workers.pipeline_run import PipelineResult
+
+    p, m = 2, 8
+    result = PipelineResult.from_dict(launch.run(
+        "course_lib.workers.pipeline_run", nproc=p, timeout=300, env={"COURSE_DIST_BACKEND": "nccl"},
+        args=["--api", "handmade", "--schedules", "gpipe,1f1b", "--microbatches", str(m),
+              "--t-forward-ms", "20", "--t-backward-ms", "40"]))
+    assert result.clock == "cuda events"
+    for run in result.handmade:
+        assert run.grad_max_abs_diff < 1e-4 and run.overruns == 0, run.kind
+        assert abs(run.bubble_measured - bubble_formula(p, m)) <= 0.05, (run.kind, run.bubble_measured)

@@ -18,12 +18,19 @@ what a library happens to do (gloo may pick another algorithm);
 Flat-tensor reduce-scatter and all-gather go through ``reduce_scatter_single``
 and ``all_gather_single``: the names torch 2.14 gives to what earlier releases
 (and much of the literature) call ``reduce_scatter_tensor`` and
-``all_gather_into_tensor``.
+``all_gather_into_tensor``. ``collective`` falls back to the older names, so
+the course also runs on a hosted notebook that keeps its own, older torch.
+
+Point-to-point messages go out in batches (``exchange``, on
+``dist.batch_isend_irecv``): NCCL needs a send and a receive between the same
+two ranks fused into one group, or both ranks wait in their send for ever.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -67,6 +74,15 @@ def _world(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group)
 
 
+def collective(name: str, older: str) -> Callable:
+    """``torch.distributed.<name>``, or ``<older>`` on a torch that does not have the newer name yet."""
+    fn = getattr(dist, name, None) or getattr(dist, older, None)
+    if fn is None:
+        raise RuntimeError(f"this torch ({torch.__version__}) has neither dist.{name} nor dist.{older}; "
+                           "install the torch version pinned in pyproject.toml")
+    return fn
+
+
 def all_reduce(t: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM, counter: ByteCounter | None = None,
                group: dist.ProcessGroup | None = None, async_op: bool = False):
     """``dist.all_reduce`` in place, counting 2(N-1)/N x bytes(t)."""
@@ -85,7 +101,8 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: ReduceOp.RedOpType 
                          f"output {out.numel()} = {world * out.numel()}; pad the flat tensor to a multiple of {world}")
     if counter is not None:
         counter.add("reduce_scatter", ring_factor("reduce_scatter", world) * nbytes(inp))
-    return dist.reduce_scatter_single(out, inp, op=op, group=group, async_op=async_op)
+    return collective("reduce_scatter_single", "reduce_scatter_tensor")(out, inp, op=op, group=group,
+                                                                         async_op=async_op)
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, counter: ByteCounter | None = None,
@@ -97,7 +114,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, counter: ByteCounter | None
                          f"input {inp.numel()} = {world * inp.numel()}")
     if counter is not None:
         counter.add("all_gather", ring_factor("all_gather", world) * nbytes(out))
-    return dist.all_gather_single(out, inp, group=group, async_op=async_op)
+    return collective("all_gather_single", "all_gather_into_tensor")(out, inp, group=group, async_op=async_op)
 
 
 def broadcast(t: torch.Tensor, src: int, counter: ByteCounter | None = None,
@@ -106,6 +123,82 @@ def broadcast(t: torch.Tensor, src: int, counter: ByteCounter | None = None,
     if counter is not None:
         counter.add("broadcast", ring_factor("broadcast", _world(group)) * nbytes(t))
     return dist.broadcast(t, src, group=group, async_op=async_op)
+
+
+@contextlib.contextmanager
+def handed_bytes(name: str) -> Iterator[list[int]]:
+    """Inside the block, record the bytes of every tensor handed to ``torch.distributed.<name>``.
+
+    A meter independent of ``ByteCounter``: what the process group was really
+    given (e.g. the buckets torch DDP sends), not what a formula says.
+    """
+    original = getattr(dist, name)
+    sizes: list[int] = []
+
+    def spy(tensor, *args, **kwargs):
+        sizes.append(nbytes(tensor))
+        return original(tensor, *args, **kwargs)
+
+    setattr(dist, name, spy)
+    try:
+        yield sizes
+    finally:
+        setattr(dist, name, original)
+
+
+class Message(NamedTuple):
+    """One point-to-point message: the tensor to send (or to receive into), the other rank, a tag."""
+
+    tensor: torch.Tensor
+    peer: int
+    tag: int = 0
+
+
+@dataclass
+class Exchange:
+    """A batch of point-to-point messages in flight.
+
+    ``wait_received`` before reading the receive buffers, ``wait`` before
+    reusing the send buffers. On NCCL both return once the GPU stream waits
+    for the messages, before the data is there; work queued on the stream
+    afterwards runs after it (time it with CUDA events, not the CPU clock).
+    """
+
+    received: list[dist.Work] = field(default_factory=list)
+    sent: list[dist.Work] = field(default_factory=list)
+    _waited: set[int] = field(default_factory=set, repr=False)
+
+    def _wait(self, works: list[dist.Work]) -> None:
+        for w in works:
+            # each work once: a second wait on a gloo receive waits for another message, which never comes
+            if id(w) not in self._waited:
+                w.wait()
+                self._waited.add(id(w))
+
+    def wait_received(self) -> None:
+        self._wait(self.received)
+
+    def wait(self) -> None:
+        self._wait([*self.received, *self.sent])  # on NCCL the same single work is in both lists
+
+
+def exchange(sends: Sequence[Message], recvs: Sequence[Message],
+             group: dist.ProcessGroup | None = None) -> Exchange:
+    """Post ``sends`` and ``recvs`` together as one ``dist.batch_isend_irecv``; return what to wait for.
+
+    Posting a send and a receive to the same peer one after the other works on
+    gloo, whose sends do not wait, but hangs on NCCL, whose send waits for the
+    matching receive: both ranks would sit in their send. One batch is one NCCL
+    group, so both directions progress together.
+    """
+    ops = ([dist.P2POp(dist.isend, m.tensor, m.peer, group, m.tag) for m in sends]
+           + [dist.P2POp(dist.irecv, m.tensor, m.peer, group, m.tag) for m in recvs])
+    if not ops:
+        return Exchange()
+    works = dist.batch_isend_irecv(ops)
+    if len(works) == len(ops):  # one work per message (gloo): a receive need not wait for the sends
+        return Exchange(received=works[len(sends):], sent=works[:len(sends)])
+    return Exchange(received=works, sent=works)  # one work for the whole group (NCCL coalesces)
 
 
 def ring_all_reduce(t: torch.Tensor, counter: ByteCounter | None = None) -> torch.Tensor:
@@ -128,22 +221,21 @@ def ring_all_reduce(t: torch.Tensor, counter: ByteCounter | None = None) -> torc
     right, left = (rank + 1) % world, (rank - 1) % world
     sent = 0
 
-    def exchange(send_idx: int, recv_idx: int) -> torch.Tensor:
+    def pass_chunk(send_idx: int, recv_idx: int) -> torch.Tensor:
         nonlocal sent
         buf = torch.empty_like(chunks[recv_idx])
-        # post both at once: blocking send-then-recv on every rank would deadlock the ring
-        reqs = [dist.isend(chunks[send_idx].contiguous(), right), dist.irecv(buf, left)]
-        for r in reqs:
-            r.wait()
+        # the send and the receive in one batch: blocking send-then-recv on every rank would deadlock
+        # the ring, and at N = 2 both go to the same peer, which NCCL only runs as one group
+        exchange([Message(chunks[send_idx].contiguous(), right)], [Message(buf, left)]).wait()
         sent += nbytes(chunks[send_idx])
         return buf
 
     for step in range(world - 1):  # reduce-scatter
         send_idx, recv_idx = (rank - step) % world, (rank - step - 1) % world
-        chunks[recv_idx].add_(exchange(send_idx, recv_idx))
+        chunks[recv_idx].add_(pass_chunk(send_idx, recv_idx))
     for step in range(world - 1):  # all-gather: pass on the finished chunks
         send_idx, recv_idx = (rank + 1 - step) % world, (rank - step) % world
-        chunks[recv_idx].copy_(exchange(send_idx, recv_idx))
+        chunks[recv_idx].copy_(pass_chunk(send_idx, recv_idx))
     if counter is not None:
         counter.add("ring_all_reduce", sent)
     return t

@@ -13,12 +13,14 @@ the replicas stay identical. Usage, for both wrappers and on every rank::
 
 ``NaiveDDP`` all-reduces one gradient at a time after the backward pass: one
 message per tensor, and the network idles while the backward runs.
-``BucketedDDP`` groups gradients into ~25 MB buckets (PyTorch DDP's default,
+``BucketedDDP`` groups gradients into 25 MiB buckets (PyTorch DDP's default
 ``bucket_cap_mb``) in reverse parameter order, the order backward produces
 them, and starts each bucket's all-reduce asynchronously from a
-post-accumulate-grad hook as soon as its last gradient is final, so
+post-accumulate-grad hook as soon as its gradients are final, so
 communication overlaps the rest of the backward pass (Li et al. 2020,
 "PyTorch Distributed: Experiences on Accelerating Data Parallel Training").
+It assumes that every parameter gets its gradient once per backward;
+``ddp_dynamic.DynamicBucketedDDP`` extends it to models where that is not so.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from torch import nn
 
 from course_lib.distributed import comm
 
-MB = 2**20
+MiB = 2**20  # torch DDP's bucket_cap_mb counts in units of 2**20 bytes
 
 
 def _require_process_group() -> int:
@@ -61,8 +63,16 @@ def _used_anywhere(params: Sequence[nn.Parameter]) -> list[bool]:
     return [f > 0 for f in flags.tolist()]
 
 
-class NaiveDDP(nn.Module):
-    """Broadcast the parameters once; after backward, all-reduce every gradient, one tensor at a time, and average."""
+def _set_grad(p: nn.Parameter, g: torch.Tensor) -> None:
+    """Write the averaged gradient ``g`` (flat, or any shape with p's numel) into ``p.grad``."""
+    if p.grad is None:
+        p.grad = g.view_as(p).clone()
+    else:
+        p.grad.copy_(g.view_as(p))
+
+
+class _Replicated(nn.Module):
+    """What every DDP wrapper does: check the process group, start all replicas equal, ``no_sync``."""
 
     def __init__(self, module: nn.Module, counter: comm.ByteCounter | None = None):
         super().__init__()
@@ -77,12 +87,16 @@ class NaiveDDP(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally (gradient accumulation): skip the all-reduces inside this block."""
+        """Accumulate gradients locally (gradient accumulation): no all-reduce inside this block."""
         self._sync, before = False, self._sync
         try:
             yield
         finally:
             self._sync = before
+
+
+class NaiveDDP(_Replicated):
+    """Broadcast the parameters once; after backward, all-reduce every gradient, one tensor at a time, and average."""
 
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
@@ -109,7 +123,7 @@ def assign_buckets(sizes: Sequence[int], cap_bytes: float, keys: Sequence[Hashab
     0 is ready first. A parameter larger than the cap gets a bucket of its own;
     parameters with different ``keys`` (dtype, device) never share a bucket,
     since a bucket is one flat tensor. ``first_cap_bytes`` caps bucket 0
-    alone: PyTorch DDP makes it 1 MB so that communication starts early.
+    alone: PyTorch DDP makes it 1 MiB so that communication starts early.
     """
     if cap_bytes <= 0 or (first_cap_bytes is not None and first_cap_bytes <= 0):
         raise ValueError(f"bucket caps must be positive, got {cap_bytes} and {first_cap_bytes} bytes")
@@ -133,165 +147,94 @@ def assign_buckets(sizes: Sequence[int], cap_bytes: float, keys: Sequence[Hashab
 
 
 @dataclass(eq=False)
-class _Bucket:
-    params: list[int]                # indices into BucketedDDP.params
-    waiting: int = 0                 # parameters whose gradient is not final yet in this step
-    flat: torch.Tensor | None = None
-    work: dist.Work | None = None
-    launched: bool = False
-    sizes: list[int] = field(default_factory=list)
+class Bucket:
+    """Parameters whose gradients travel as one flat tensor."""
+
+    params: list[int]                                    # indices into BucketedDDP.params
+    sizes: list[int]                                     # their numels
+    ready: set[int] = field(default_factory=set)         # those whose gradient is final in this backward
+    flat: torch.Tensor | None = None                     # the message: the gradients, concatenated
+    work: dist.Work | None = None                        # its all-reduce, once sent
 
 
-class BucketedDDP(nn.Module):
-    """All-reduce gradients in buckets, each started from a backward hook as soon as it is complete.
+class BucketedDDP(_Replicated):
+    """All-reduce gradients in buckets, each sent from a backward hook as soon as its gradients are final.
 
-    A parameter's post-accumulate-grad hook fires once per accumulation into
-    ``.grad``: once per backward for most parameters, but twice when a module
-    sits both inside and outside a reentrant activation checkpoint, and never
-    for a parameter unused in this step. A bucket may only leave after its
-    *last* accumulation, so the first step counts the hook calls per parameter
-    and launches every bucket in ``finish_gradient_synchronization``; later
-    steps launch a bucket as soon as every parameter in it reached its count.
-    If a later step uses a parameter more often than any step before (the
-    graph changed), its bucket is sent again at the end: correct, only slower.
-    The last bucket always waits for the end of backward and carries one
-    "left too early" flag per bucket, so the ranks agree on what to re-send
-    without an extra message. Buckets always leave in index order, so every rank issues the same
-    collectives in the same order (a mismatch would wait for the timeout).
-    Bucket 0 is capped at ``first_bucket_mb`` (1 MB, as in PyTorch DDP) so the
-    first all-reduce starts early in the backward pass; ``None`` disables that.
+    A parameter's post-accumulate-grad hook fires when autograd has added its
+    gradient into ``.grad``. This version takes the first call as "final",
+    which holds when every trainable parameter is used, and accumulated once,
+    in every backward: true of most models. ``DynamicBucketedDDP``
+    (``ddp_dynamic``) drops that assumption for reentrant checkpoints and for
+    graphs that change from step to step.
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, counter: comm.ByteCounter | None = None,
                  first_bucket_mb: float | None = 1.0):
-        super().__init__()
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
-        self.world = _require_process_group()
-        self.module = module
-        self.counter = counter
-        broadcast_module(module)
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]  # frozen: no bucket
-        self.names = [n for n, _ in named]
-        self.params = [p for _, p in named]
-        sizes = [p.numel() * p.element_size() for p in self.params]
-        keys = [(p.dtype, p.device) for p in self.params]
-        self.buckets = [_Bucket(idx, sizes=[self.params[i].numel() for i in idx])
-                        for idx in assign_buckets(sizes, bucket_cap_mb * MB, keys,
-                                                  None if first_bucket_mb is None
-                                                  else min(first_bucket_mb, bucket_cap_mb) * MB)]
-        self._bucket_of = {i: k for k, b in enumerate(self.buckets) for i in b.params}  # param -> bucket
-        self._expected: list[int] | None = None   # hook calls per parameter, learned on the first step
-        self._count = [0] * len(self.params)
-        self._next = 0                            # the next bucket to launch
-        self._sync = True
-        self.resent = 0                           # buckets sent twice because a gradient came late
+        super().__init__(module, counter)
+        self.params = [p for p in module.parameters() if p.requires_grad]  # frozen ones need no bucket
+        sizes = [comm.nbytes(p) for p in self.params]
+        keys = [(p.dtype, p.device) for p in self.params]                 # a bucket is one flat tensor
+        # bucket 0 (the last layers) small, as torch DDP's 1 MiB first bucket: communication starts early
+        first = None if first_bucket_mb is None else min(first_bucket_mb, bucket_cap_mb) * MiB
+        self.buckets = [Bucket(idx, [self.params[i].numel() for i in idx])
+                        for idx in assign_buckets(sizes, bucket_cap_mb * MiB, keys, first)]
+        self._bucket_of = {i: b for b in self.buckets for i in b.params}
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
         self._reset()
 
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally: hooks launch nothing inside this block."""
-        self._sync, before = False, self._sync
-        try:
-            yield
-        finally:
-            self._sync = before
-
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
         def on_grad_ready(param: torch.Tensor) -> None:
-            if not self._sync:
-                return
-            self._count[i] += 1
-            if self._expected is None:
-                return  # first step: only counting
-            bucket = self.buckets[self._bucket_of[i]]
-            if bucket.launched:
-                # used more often than ever before (the graph changed): this bucket left too
-                # early and is sent again, in finish_gradient_synchronization
-                self._late.add(self._bucket_of[i])
-            elif self._count[i] == self._expected[i]:
-                bucket.waiting -= 1
-                self._launch_ready()
+            if self._sync:  # inside no_sync(): accumulate only
+                self._grad_ready(i)
         return on_grad_ready
 
-    def _reset(self) -> None:
-        self._count = [0] * len(self.params)
-        self._late: set[int] = set()
-        self._next = 0
-        for b in self.buckets:
-            b.work, b.launched = None, False
-            b.waiting = sum(1 for i in b.params if self._expected is None or self._expected[i] > 0)
+    def _grad_ready(self, i: int) -> None:
+        self._bucket_of[i].ready.add(i)
+        self._send_ready()
 
-    def _launch_ready(self, final: bool = False) -> None:
-        # In order: bucket k leaves only after bucket k-1, the same sequence on every rank. The last
-        # bucket (the first layers, whose gradients come last anyway) waits for the end of backward,
-        # so that it can also carry the "late" flags below.
-        stop = len(self.buckets) if final else len(self.buckets) - 1
-        while self._next < stop and self.buckets[self._next].waiting == 0:
-            self._launch(self.buckets[self._next])
+    def _complete(self, b: Bucket) -> bool:
+        return len(b.ready) == len(b.params)
+
+    def _send_ready(self, final: bool = False) -> None:
+        # In index order only: every rank must issue the same collectives in the same sequence, or
+        # they pair up the wrong messages. ``final``: backward is over, whatever is missing is not coming.
+        while self._next < len(self.buckets) and (final or self._complete(self.buckets[self._next])):
+            self._send(self.buckets[self._next])
             self._next += 1
 
     @torch.no_grad()
-    def _launch(self, b: _Bucket) -> None:
+    def _send(self, b: Bucket) -> None:
+        # One copy of the bucket's gradients into a flat tensor; torch DDP saves it with
+        # gradient_as_bucket_view=True, where .grad is a view into the bucket.
+        b.flat = torch.cat(self._payload(b))
+        b.work = comm.all_reduce(b.flat, counter=self.counter, async_op=True)  # returns at once: backward goes on
+
+    def _payload(self, b: Bucket) -> list[torch.Tensor]:
         params = [self.params[i] for i in b.params]
-        dtype, device = params[0].dtype, params[0].device
-        # One flat tensor: the gradients (zeros for a missing one), then a 0/1 "has a gradient"
-        # flag per parameter, so the same message tells which parameters are unused on every rank.
-        # The copy costs one bucket of memory traffic; torch DDP avoids it by making .grad a view
-        # into the bucket (gradient_as_bucket_view=True).
-        parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
-        tail = [torch.tensor([float(p.grad is not None) for p in params], dtype=dtype, device=device)]
-        if b is self.buckets[-1]:
-            # The last bucket leaves after every hook has run: it also carries one flag per bucket that
-            # some gradient reached after the bucket had left, so all ranks agree on what to re-send.
-            late = torch.zeros(len(self.buckets), dtype=dtype, device=device)
-            late[sorted(self._late)] = 1.0
-            tail.append(late)
-        if b.flat is None:  # allocated once, reused every step (the previous all-reduce is finished by now)
-            b.flat = torch.empty(sum(b.sizes) + sum(len(t) for t in tail), dtype=dtype, device=device)
-        torch.cat([*parts, *tail], out=b.flat)
-        b.work = comm.all_reduce(b.flat, counter=self.counter, async_op=True)
-        b.launched = True
+        return [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
 
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
-        """Launch the buckets still waiting, wait for all, and write the averaged gradients back."""
+        """Send the buckets still waiting, wait for every all-reduce, and write the averaged gradients back."""
         if not self._sync or not self.buckets:  # no_sync, or nothing trainable
             return
-        for b in self.buckets[self._next:]:
-            b.waiting = 0  # whatever did not arrive is not coming in this step
-        self._launch_ready(final=True)
+        self._send_ready(final=True)
         for b in self.buckets:
             b.work.wait()
-        late = self.buckets[-1].flat[-len(self.buckets):]
-        for k in late.nonzero().flatten().tolist():  # left too early on some rank: send again, everywhere
-            self.resent += 1
-            self._launch(self.buckets[k])
-            self.buckets[k].work.wait()
         for b in self.buckets:
             self._unpack(b)
-        # hook calls per parameter: learned on the first step, raised if a later step needs more
-        first_step = self._expected is None
-        self._expected = list(self._count) if first_step else [max(e, c) for e, c in zip(self._expected, self._count)]
         self._reset()
 
-    def _unpack(self, b: _Bucket) -> None:
-        """Average a bucket's sums and write them into ``.grad`` (flag 0: unused on every rank, keep None)."""
-        total = sum(b.sizes)
-        flags = b.flat[total: total + len(b.params)].tolist()
-        for i, g, used in zip(b.params, b.flat[:total].split(b.sizes), flags):
-            p = self.params[i]
-            if used == 0:
-                continue  # unused on every rank: keep grad None, as a single process would
-            g = g.view_as(p).div_(self.world)
-            if p.grad is None:
-                p.grad = g.clone()
-            else:
-                p.grad.copy_(g)
+    def _unpack(self, b: Bucket) -> None:
+        for i, g in zip(b.params, b.flat.split(b.sizes)):
+            _set_grad(self.params[i], g.div_(self.world))   # the sum over ranks, then the mean
+
+    def _reset(self) -> None:
+        self._next = 0                                      # the next bucket to send
+        for b in self.buckets:
+            b.ready, b.work = set(), None
 
     def remove_hooks(self) -> None:
         """Detach the gradient hooks from the wrapped module's parameters."""

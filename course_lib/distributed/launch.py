@@ -14,8 +14,10 @@ Worker side, in ``course_lib/workers/<name>.py``::
 
     rank, world, device = init_distributed()
     ...
-    report({"loss": 0.1})
+    report(MyResult(loss=0.1))    # a results.WorkerResult dataclass (or a plain dict)
     shutdown()
+
+and the parent reads it back typed: ``MyResult.from_dict(run(...))``.
 
 The same worker modules run across machines with torchrun's ``--nnodes`` and a
 rendezvous endpoint (``docs/multinode.md``).
@@ -23,6 +25,8 @@ rendezvous endpoint (``docs/multinode.md``).
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import gc
 import importlib.util
 import json
@@ -34,11 +38,14 @@ import subprocess
 import sys
 import tempfile
 import uuid
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from course_lib.distributed.results import WorkerResult
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULT_ENV = "COURSE_RESULT_FILE"
@@ -199,51 +206,86 @@ def _failure_message(module: str, nproc: int, code: int, logs: Path, launcher_lo
 
 # --------------------------------------------------------------------------- worker side
 
-def pick_backend(local_world_size: int) -> str:
-    """NCCL when this node has a GPU per rank (and the profile is not a CPU one), else gloo on the CPU.
+# Seconds a rank waits in a collective before the process group gives up. The longest a course worker keeps
+# its partners waiting is rank 0 training a single-process reference before its first collective: chapter 08's
+# at the gpu profile takes 2.0 s of CPU time on one core (measured: tiny transformer d=192, 4 layers, 10 Adam
+# steps, float32 and float64). 600 s covers that a hundred times over on a slow or crowded machine, plus the
+# first use of CUDA and NCCL, which can take tens of seconds on a large node; it is also torch's NCCL default.
+# A test that provokes a mismatch passes a short timeout (--pg-timeout) instead.
+PG_TIMEOUT_S = 600.0
+BACKENDS = ("gloo", "nccl")
+# NCCL moves CUDA tensors only; with this mixed backend a CPU tensor (a flag, an object gather) goes through
+# gloo instead of failing, so the same worker runs on CPU ranks and on GPU ranks.
+NCCL_WITH_CPU = "cpu:gloo,cuda:nccl"
 
-    ``$COURSE_DIST_BACKEND`` overrides the choice. The ``smoke`` and ``cpu``
-    profiles stay on gloo even on a GPU machine, like ``env.pick_device``.
+
+def pick_backend(local_world_size: int, warn: bool = True) -> str:
+    """NCCL when this node has a GPU per rank, else gloo on the CPU; ``$COURSE_DIST_BACKEND`` decides first.
+
+    A CPU profile (``$COURSE_PROFILE`` smoke or cpu) keeps the ranks on the CPU,
+    like ``env.pick_device``, so a notebook's numbers match CI's; when GPUs are
+    there all the same, it says so (a warning naming both ways to use them).
     """
     forced = os.environ.get("COURSE_DIST_BACKEND")
     if forced:
-        if forced not in ("gloo", "nccl"):
+        if forced not in BACKENDS:
             raise ValueError(f"COURSE_DIST_BACKEND must be 'gloo' or 'nccl', got {forced!r}")
         return forced
-    if os.environ.get("COURSE_PROFILE") in ("smoke", "cpu"):
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus < local_world_size:
         return "gloo"
-    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size else "gloo"
+    profile = os.environ.get("COURSE_PROFILE")
+    if profile in ("smoke", "cpu"):
+        if warn:
+            warnings.warn(f"COURSE_PROFILE={profile} keeps the {local_world_size} local ranks on the CPU (gloo) "
+                          f"although this node has {gpus} GPUs; set COURSE_DIST_BACKEND=nccl, or unset "
+                          "COURSE_PROFILE, to run them on the GPUs", stacklevel=2)
+        return "gloo"
+    return "nccl"
 
 
-def init_distributed(timeout_s: float = 60.0) -> tuple[int, int, torch.device]:
+def init_distributed(timeout_s: float = PG_TIMEOUT_S) -> tuple[int, int, torch.device]:
     """Join the process group torchrun set up; return ``(rank, world_size, device)``.
 
     ``timeout_s`` bounds every collective: a rank waiting for a partner that
     never comes (a mismatched collective) raises after it instead of hanging.
+    On GPU ranks the group is NCCL for CUDA tensors and gloo for CPU ones.
     """
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise RuntimeError("init_distributed() runs inside a torchrun worker: start it with "
                            "course_lib.distributed.launch.run(module, nproc) or `torchrun -m module`")
+    if not timeout_s > 0:
+        raise ValueError(f"the process-group timeout must be positive seconds, got {timeout_s!r}")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    backend = pick_backend(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    backend = pick_backend(int(os.environ.get("LOCAL_WORLD_SIZE", world)), warn=local_rank == 0)
+    timeout = timedelta(seconds=timeout_s)
     if backend == "nccl":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", timeout=timedelta(seconds=timeout_s), device_id=device)
+        dist.init_process_group(NCCL_WITH_CPU, timeout=timeout, device_id=device)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group("gloo", timeout=timeout)
     return rank, world, device
 
 
-def report(result: dict) -> None:
-    """Rank 0 writes ``result`` (JSON values) for ``run`` to return; other ranks do nothing.
+def add_timeout_arg(parser: argparse.ArgumentParser) -> None:
+    """A worker's ``--pg-timeout`` option (seconds), for ``init_distributed(timeout_s=...)``."""
+    parser.add_argument("--pg-timeout", type=float, default=PG_TIMEOUT_S,
+                        help=f"process-group timeout in seconds (default {PG_TIMEOUT_S:.0f})")
 
+
+def report(result: dict | WorkerResult) -> None:
+    """Rank 0 writes ``result`` (a dataclass, see ``results``, or a dict of JSON values) for ``run`` to return.
+
+    Other ranks do nothing.
     Run by hand under torchrun (no ``$COURSE_RESULT_FILE``), rank 0 prints it instead.
     """
     if int(os.environ.get("RANK", "0")) != 0:
         return
+    if dataclasses.is_dataclass(result):
+        result = dataclasses.asdict(result)
     text = json.dumps(result)  # fails here, on the worker, if a value is not JSON
     path = os.environ.get(RESULT_ENV)
     if not path:

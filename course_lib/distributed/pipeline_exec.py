@@ -11,30 +11,38 @@
   last stage starts from its loss), back-propagates through its layers, which
   adds to the parameters' ``.grad``, and sends the input's gradient back.
 
-Sends are non-blocking (``isend``) and receives blocking: a rank only ever
-waits for data it needs, never for its partner to be ready to receive, so a
-schedule that the simulator can play cannot deadlock here. Activations flow
-only forward and gradients only backward between two neighbours, and both
-run their micro-batches in the same order, so messages never cross; the tag
-(micro-batch, direction) makes the pairing explicit anyway.
+Between two ops a rank posts one batch of messages (``message_batches``,
+``comm.exchange``): the send of the op just finished and the receive of the
+next one. It waits only for the receive: a rank only ever waits for data it
+needs, and its sends complete in the background, so a schedule that the
+simulator can play cannot deadlock here. Batching matters on NCCL, where a
+send waits for its receiver: in 1F1B two neighbours each send to the other
+and then receive from it, which hangs as separate calls and runs as one
+group. Activations flow only forward and gradients only backward between two
+neighbours, and both run their micro-batches in the same order, so messages
+pair up in order (all NCCL looks at); the tag (micro-batch, direction) makes
+the pairing explicit for gloo.
 
 For the bubble measurement each op can be padded to a fixed duration
-(``op_seconds``): the real work runs, then the rank sleeps until the op's
-time is up. A sleeping rank leaves the CPU to the others, like a host that
+(``op_seconds``): the real work runs, then the rank waits until the op's time
+is up. On the CPU it sleeps, leaving the core to the others like a host that
 waits for its GPU, so ``p`` ranks on two shared cores still see equal stage
-costs, and the idle time left is the schedule's bubble plus messaging delays.
+costs; on a GPU a spin kernel keeps the stream busy (``clock.CudaClock``),
+and CUDA events time the ops, since a NCCL receive returns to Python before
+its data has arrived. The idle time left is the schedule's bubble plus
+messaging delays.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from course_lib.distributed import comm
+from course_lib.distributed.clock import Clock, clock_for
 from course_lib.memory import saved_activation_bytes
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -77,31 +85,66 @@ def _tag(microbatch: int, backward: bool) -> int:
     return 2 * microbatch + int(backward)
 
 
+Link = tuple[int, int]  # (peer rank, tag) of one message
+
+
+def op_links(op: tuple[str, int], rank: int, world: int) -> tuple[Link | None, Link | None]:
+    """What one op receives before it runs and sends after: ``(recv, send)``, ``None`` where it has none."""
+    kind, i = op
+    prev, nxt = (rank - 1, _tag(i, kind == "B")), (rank + 1, _tag(i, kind == "B"))
+    if kind == "F":                     # activations flow forward
+        return (None if rank == 0 else prev), (None if rank == world - 1 else nxt)
+    return (None if rank == world - 1 else nxt), (None if rank == 0 else prev)   # gradients flow back
+
+
+def message_batches(order: Sequence[tuple[str, int]], rank: int, world: int) -> list[tuple[list[Link], list[Link]]]:
+    """The ``(sends, recvs)`` a rank posts together between ops: batch ``k`` runs before op ``k``.
+
+    Batch ``k`` holds op ``k-1``'s send and op ``k``'s receive; the last one
+    (``k = len(order)``) only the last op's send. One batch is one
+    ``dist.batch_isend_irecv``: in 1F1B's steady state a rank sends an
+    activation to the next rank and receives a gradient from it, and NCCL
+    runs such a pair only as one group (posted one by one, both ranks would
+    sit in their send). The sends leave exactly when they did one by one.
+    """
+    links = [op_links(op, rank, world) for op in order]
+    batches = []
+    for k in range(len(order) + 1):
+        send = links[k - 1][1] if k > 0 else None
+        recv = links[k][0] if k < len(order) else None
+        batches.append(([send] if send else [], [recv] if recv else []))
+    return batches
+
+
 @dataclass
 class StageRun:
-    """What one rank measured while running its order of ops."""
+    """What one rank measured while running its order of ops (times in seconds of its clock)."""
 
     rank: int
-    start: float                                   # perf_counter when the rank began (after a barrier)
-    end: float                                     # when its last op finished
+    start: float                                   # when the rank began (after a barrier)
+    end: float                                     # when its last op finished and its last message left
     busy: list[tuple[str, int, float, float]] = field(default_factory=list)  # (op, mb, start, end)
     peak_inflight: int = 0                         # most micro-batches whose graph was kept at once
     peak_activation_bytes: int = 0                 # most saved-activation bytes alive at once
     overruns: int = 0                              # ops whose real work took longer than op_seconds
     outputs: list[torch.Tensor] = field(default_factory=list)   # last stage: each micro-batch's output
     losses: list[float] = field(default_factory=list)           # last stage: each micro-batch's loss
+    clock: str = "perf_counter"                    # what measured the times
 
 
 def run_stage(stage: nn.Module, order: Sequence[tuple[str, int]], rank: int, world: int,
               in_shape: tuple[tuple[int, ...], torch.dtype], inputs: Sequence[torch.Tensor] | None = None,
               targets: Sequence[torch.Tensor] | None = None, loss_fn: LossFn | None = None,
-              op_seconds: dict[str, float] | None = None, device: torch.device | str = "cpu") -> StageRun:
+              op_seconds: dict[str, float] | None = None, device: torch.device | str = "cpu",
+              clock: Clock | None = None) -> StageRun:
     """Run one stage's ``order`` of ``("F" | "B", micro-batch)`` ops; gradients accumulate in ``stage``.
 
     ``inputs`` (first stage) and ``targets`` with ``loss_fn`` (last stage) are
     lists with one tensor per micro-batch. The loss of each micro-batch is
     divided by their number, so the summed gradients equal those of the mean
     loss over the whole batch. ``op_seconds`` pads each op to a fixed time.
+    ``clock`` times the ops (default ``clock_for(device)``: CUDA events on a
+    GPU); make it before the barrier that starts the ranks together.
     """
     if any(len(o) != 2 or o[0] not in ("F", "B") for o in order):
         raise ValueError("this executor runs GPipe and 1F1B orders, one model chunk per device: (op, micro-batch) "
@@ -113,79 +156,80 @@ def run_stage(stage: nn.Module, order: Sequence[tuple[str, int]], rank: int, wor
         raise ValueError(f"the first stage needs one input per micro-batch ({num_mb})")
     if last and (targets is None or loss_fn is None or len(targets) != num_mb):
         raise ValueError(f"the last stage needs loss_fn and one target per micro-batch ({num_mb})")
+    clock = clock or clock_for(device)
     params = list(stage.parameters())
-    pending_sends: list[tuple[dist.Work, torch.Tensor]] = []   # keep each sent tensor alive until done
+    batches = message_batches(order, rank, world)
+    in_flight: list[tuple[comm.Exchange, torch.Tensor]] = []  # sends, with their tensors kept alive until done
     stash: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # mb -> (input, output or loss, bytes)
-    run = StageRun(rank, time.perf_counter(), 0.0)
-    alive_bytes = 0
-    on_gpu = torch.device(device).type == "cuda"
+    marks, pads, outputs, losses = [], [], [], []   # resolved into seconds at the end (on CUDA that syncs)
+    alive_bytes = peak_inflight = peak_bytes = 0
+    outgoing: torch.Tensor | None = None            # what the previous op sends
+    start = clock.start()
 
-    def finish(op: str, i: int, began: float) -> None:
-        """Pad the op to its fixed duration (if any) and record it as busy time; then its result may leave."""
-        if on_gpu:
-            torch.cuda.synchronize(device)                # GPU work is asynchronous: wait for it
-        if op_seconds is not None:
-            remaining = began + op_seconds[op] - time.perf_counter()
-            if remaining > 0:
-                time.sleep(remaining)
-            else:
-                run.overruns += 1
-        run.busy.append((op, i, began, time.perf_counter()))
+    def post(k: int, buf: torch.Tensor | None) -> comm.Exchange:
+        """Batch k: the previous op's send and this op's receive into ``buf``, posted together."""
+        sends, recvs = batches[k]
+        ex = comm.exchange([comm.Message(outgoing, *s) for s in sends], [comm.Message(buf, *r) for r in recvs])
+        if sends:
+            in_flight.append((ex, outgoing))
+        return ex
 
-    for op, i in order:
+    for k, (op, i) in enumerate(order):
         if op == "F":
             if first:
+                post(k, None)
                 x = inputs[i].to(device)
             else:                                         # wait (idle) for the previous stage
                 shape, dtype = in_shape
                 x = torch.empty(shape, dtype=dtype, device=device)
-                dist.recv(x, src=rank - 1, tag=_tag(i, False))
+                post(k, x).wait_received()
                 x.requires_grad_(True)                    # we will send its gradient back
-            began = time.perf_counter()
+            began = clock.mark()
             holder: list[torch.Tensor] = []
             nbytes = saved_activation_bytes(lambda: holder.append(stage(x)), exclude=params)
             y = holder[0]
             if last:
                 loss = loss_fn(y, targets[i].to(device)) / num_mb
-                run.outputs.append(y.detach().cpu())
-                run.losses.append(loss.item() * num_mb)
+                outputs.append(y.detach())
+                losses.append(loss.detach())
             stash[i] = (x, loss if last else y, nbytes)
             alive_bytes += nbytes
-            run.peak_inflight = max(run.peak_inflight, len(stash))
-            run.peak_activation_bytes = max(run.peak_activation_bytes, alive_bytes)
-            finish("F", i, began)                         # the op's time is up before its result leaves
-            if not last:
-                out = y.detach().contiguous()
-                pending_sends.append((dist.isend(out, dst=rank + 1, tag=_tag(i, False)), out))
-        elif op == "B":
+            peak_inflight, peak_bytes = max(peak_inflight, len(stash)), max(peak_bytes, alive_bytes)
+            outgoing = None if last else y.detach().contiguous()
+        else:
             x, y, nbytes = stash.pop(i)
             if last:
-                began = time.perf_counter()
+                post(k, None)
+                began = clock.mark()
                 y.backward()                              # y is this micro-batch's loss / m
             else:                                         # wait (idle) for the next stage's gradient
                 grad = torch.empty_like(y)
-                dist.recv(grad, src=rank + 1, tag=_tag(i, True))
-                began = time.perf_counter()
+                post(k, grad).wait_received()
+                began = clock.mark()
                 y.backward(grad)
             alive_bytes -= nbytes                         # the graph of micro-batch i is freed here
-            finish("B", i, began)
-            if not first:
-                g = x.grad.contiguous()
-                pending_sends.append((dist.isend(g, dst=rank - 1, tag=_tag(i, True)), g))
-        else:
-            raise ValueError(f"this executor runs F and B ops; got {op!r} (split backwards are not implemented)")
-    for work, _ in pending_sends:
-        work.wait()
-    run.end = time.perf_counter()
-    return run
+            outgoing = None if first else x.grad.contiguous()
+        if op_seconds is not None:                    # the op's time is up before its result leaves
+            pads.append(clock.pad(began, op_seconds[op]))
+        marks.append((op, i, began, clock.mark()))
+    post(len(order), None)
+    for ex, _ in in_flight:
+        ex.wait()
+    end = clock.mark()
+    return StageRun(rank, clock.seconds(start), clock.seconds(end),
+                    busy=[(op, i, clock.seconds(b), clock.seconds(e)) for op, i, b, e in marks],
+                    peak_inflight=peak_inflight, peak_activation_bytes=peak_bytes,
+                    overruns=sum(clock.overran(t) for t in pads), outputs=[o.cpu() for o in outputs],
+                    losses=[loss.item() * num_mb for loss in losses], clock=clock.name)
 
 
 def measured_bubble(runs: Sequence[StageRun]) -> dict[str, float]:
     """Makespan and idle share of a real run, from every rank's busy intervals.
 
-    All ranks must run on one machine, where ``time.perf_counter`` reads one
-    system-wide monotonic clock, so their times are comparable (across
-    machines the clocks differ; each rank would have to measure its own idle share).
+    The ranks' times must be comparable: on the CPU, ranks on one machine read
+    one system-wide monotonic clock; on GPUs, each rank's CUDA events count
+    from its own start, taken right after a common barrier. (Across machines
+    CPU clocks differ; each rank would have to measure its own idle share.)
     """
     start = min(r.start for r in runs)
     makespan = max(r.end for r in runs) - start

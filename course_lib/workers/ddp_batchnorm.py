@@ -14,6 +14,7 @@ few lines below, which do the same computation.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,7 @@ from torch import nn
 
 from course_lib.distributed import launch
 from course_lib.distributed.ddp import NaiveDDP
+from course_lib.distributed.results import WorkerResult
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -73,7 +75,18 @@ def _grads(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad.detach().clone() for p in model.parameters()]
 
 
-def batchnorm_checks(rank: int, world: int, device: torch.device, batch: int, seed: int = 0) -> dict:
+@dataclass
+class BatchNormResult(WorkerResult):
+    """Per variant ("per_rank_bn", "sync_bn_by_hand", on GPUs "torch_sync_bn"): gradient and buffer differences."""
+
+    world: int
+    batch_per_rank: int
+    grad_diff: dict[str, float]             # max |gradient - one process on the whole batch|
+    running_mean_spread: dict[str, float]   # how far apart the ranks' running means drifted
+    reference_grad_norm: float
+
+
+def batchnorm_checks(rank: int, world: int, device: torch.device, batch: int, seed: int = 0) -> BatchNormResult:
     """Gradient differences to one process on the whole batch: per-rank BN, SyncBN by hand (and torch's on GPU)."""
     g = torch.Generator().manual_seed(seed)
     X = torch.randn(world * batch, 3, 16, 16, generator=g).to(device)
@@ -88,21 +101,20 @@ def batchnorm_checks(rank: int, world: int, device: torch.device, batch: int, se
     variants = {"per_rank_bn": nn.BatchNorm2d, "sync_bn_by_hand": SyncBatchNorm2dByHand}
     if device.type == "cuda":
         variants["torch_sync_bn"] = nn.SyncBatchNorm
-    out: dict = {"world": world, "batch_per_rank": batch}
+    out = BatchNormResult(world, batch, {}, {}, torch.cat([r.flatten() for r in ref]).norm().item())
     for name, norm in variants.items():
         torch.manual_seed(seed)
         model = NaiveDDP(small_convnet(norm).to(device))
         F.cross_entropy(model(x), y).backward()
         model.finish_gradient_synchronization()
-        out[f"{name}_grad_diff"] = max((a - b).abs().max().item() for a, b in zip(_grads(model), ref))
+        out.grad_diff[name] = max((a - b).abs().max().item() for a, b in zip(_grads(model), ref))
         # how far apart the ranks' running means drifted (NaiveDDP does not broadcast buffers)
         rm = model.module[1].running_mean.detach().clone()
         spread = rm.clone()
         dist.all_reduce(spread, op=dist.ReduceOp.MAX)
         low = rm.clone()
         dist.all_reduce(low, op=dist.ReduceOp.MIN)
-        out[f"{name}_running_mean_spread"] = (spread - low).max().item()
-    out["reference_grad_norm"] = torch.cat([r.flatten() for r in ref]).norm().item()
+        out.running_mean_spread[name] = (spread - low).max().item()
     return out
 
 
@@ -110,8 +122,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=4, help="samples per rank")
     parser.add_argument("--seed", type=int, default=0)
+    launch.add_timeout_arg(parser)
     a = parser.parse_args()
-    rank, world, device = launch.init_distributed()
+    rank, world, device = launch.init_distributed(timeout_s=a.pg_timeout)
     launch.report(batchnorm_checks(rank, world, device, a.batch, a.seed))
     launch.shutdown()
 

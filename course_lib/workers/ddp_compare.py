@@ -1,16 +1,18 @@
-"""NaiveDDP, BucketedDDP and torch DDP against one process on the whole batch (chapter 06).
+"""NaiveDDP, BucketedDDP, DynamicBucketedDDP and torch DDP against one process on the whole batch (chapter 06).
 
     torchrun --nproc-per-node 2 -m course_lib.workers.ddp_compare --steps 3
 
-Reports, from rank 0:
+Rank 0 reports a ``CompareResult``:
 
 - ``equal``: for three models that stress a DDP wrapper (a frozen layer and a
   block used twice; the same block inside a reentrant checkpoint, so its
   gradient hooks fire twice per step; an auxiliary head used on odd steps
   only), the largest gradient and parameter differences to a single process
-  that trains on the concatenation of every rank's batch;
+  that trains on the concatenation of every rank's batch (``SUPPORTED`` says
+  which scenarios each wrapper is built for);
 - ``timing``: median step time of each wrapper on an MLP (``--timing-*``),
-  with the bytes each sends per step;
+  with the bytes each sends per step, by the ring formula and by a spy on
+  ``dist.all_reduce``;
 - ``no_sync``: all-reduce calls for k accumulated micro-batches, with and
   without ``no_sync()``;
 - ``batchnorm`` (with ``--bn``): see ``ddp_batchnorm``.
@@ -22,7 +24,7 @@ import argparse
 import contextlib
 import copy
 import statistics
-import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -32,10 +34,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
 from course_lib.distributed import comm, launch
+from course_lib.distributed.clock import Clock, clock_for
 from course_lib.distributed.ddp import BucketedDDP, NaiveDDP, counting_allreduce_hook
+from course_lib.distributed.ddp_dynamic import DynamicBucketedDDP
+from course_lib.distributed.results import WorkerResult
 from course_lib.models import MLP
+from course_lib.workers.ddp_batchnorm import BatchNormResult, batchnorm_checks
 
-SMALL_CAP_MB = 4096 / 2**20  # 4 KB: about one bucket per weight of this small model, so buckets leave mid-backward
+SMALL_CAP_MB = 4096 / 2**20  # 4 KiB: about one bucket per weight of this small model, so buckets leave mid-backward
 
 
 class EdgeCaseNet(nn.Module):
@@ -72,18 +78,83 @@ SCENARIOS = {  # name: (model kwargs, torch DDP kwargs, use_aux(step))
     "reentrant": (dict(reentrant=True), dict(static_graph=True), lambda s: False),
     "unused": (dict(aux=True), dict(find_unused_parameters=True), lambda s: s % 2 == 1),
 }
+KINDS = ("naive", "bucketed", "dynamic", "torch")
+# BucketedDDP assumes one hook call per parameter and backward, and a gradient for every parameter:
+# only the first scenario meets that. The others show what goes wrong without DynamicBucketedDDP.
+SUPPORTED = {"naive": tuple(SCENARIOS), "bucketed": ("frozen_shared",), "dynamic": tuple(SCENARIOS),
+             "torch": tuple(SCENARIOS)}
+
+
+@dataclass
+class WrapperRun(WorkerResult):
+    """One wrapper in one scenario, against the single process."""
+
+    grad_diff: float        # max |gradient - reference| over the steps
+    param_diff: float       # max |parameter - reference| after the steps
+    none_match: bool        # the same parameters without a gradient as in the single process
+    buckets: int | None = None
+    max_hook_calls: int | None = None   # DynamicBucketedDDP: the most hook calls of one parameter per backward
+    resent: int | None = None           # DynamicBucketedDDP: buckets sent again after a late gradient
+
+
+@dataclass
+class Sent(WorkerResult):
+    """What one wrapper sent in one (second) step."""
+
+    bytes: float            # ByteCounter: the ring formula 2(N-1)/N per byte all-reduced
+    messages: int           # counted all-reduce calls
+    handed_bytes: int       # bytes of every tensor handed to dist.all_reduce (a spy: what the group really got)
+    handed_calls: int
+
+
+@dataclass
+class Timing(WorkerResult):
+    ms: dict[str, float]    # median ms per step, each step as slow as the slowest rank
+    clock: str              # what measured them
+    sent: dict[str, Sent]
+    grad_bytes: int
+    params: int
+    tensors: int
+    batch_per_rank: int
+    cap_mb: float | None
+
+
+@dataclass
+class NoSync(WorkerResult):
+    k: int                              # micro-batches per optimizer step
+    steps: int
+    every_micro_batch: dict[str, int]   # all-reduce calls without no_sync, per wrapper
+    no_sync: dict[str, int]             # with no_sync on the first k - 1 micro-batches
+    buckets: dict[str, int]             # all-reduce calls of one synchronised backward
+    grad_diff: dict[str, float]         # the accumulated gradient, with against without no_sync
+
+
+@dataclass
+class CompareResult(WorkerResult):
+    world: int
+    backend: str
+    equal: dict[str, dict[str, WrapperRun]] = field(default_factory=dict)  # scenario -> wrapper -> run
+    no_sync: NoSync | None = None
+    timing: Timing | None = None
+    batchnorm: BatchNormResult | None = None
 
 
 def _wrap(kind: str, model: nn.Module, ddp_kwargs: dict, cap_mb: float | None,
           counter: comm.ByteCounter | None = None):
-    """``cap_mb=None``: each wrapper's defaults (25 MB buckets, the first one 1 MB)."""
+    """``cap_mb=None``: each wrapper's defaults (25 MiB buckets, the first one 1 MiB)."""
+    cap = {} if cap_mb is None else dict(bucket_cap_mb=cap_mb)
     if kind == "naive":
         return NaiveDDP(model, counter=counter)
     if kind == "bucketed":
-        return BucketedDDP(model, counter=counter, **({} if cap_mb is None else dict(bucket_cap_mb=cap_mb)))
+        return BucketedDDP(model, counter=counter, **cap)
+    if kind == "dynamic":
+        return DynamicBucketedDDP(model, counter=counter, **cap)
+    if kind == "dynamic_first_call":  # the mistake that learning the counts avoids: one call per parameter
+        n = sum(p.requires_grad for p in model.parameters())
+        return DynamicBucketedDDP(model, counter=counter, hook_calls=[1] * n, **cap)
     if kind == "torch":
         # torch DDP keeps its small first bucket only when bucket_cap_mb is left at its default
-        ddp = DDP(model, **ddp_kwargs, **({} if cap_mb is None else dict(bucket_cap_mb=cap_mb)))
+        ddp = DDP(model, **ddp_kwargs, **cap)
         if counter is not None:
             ddp.register_comm_hook(None, counting_allreduce_hook(counter))
         return ddp
@@ -96,7 +167,7 @@ def _sync(model: nn.Module) -> None:
 
 
 def compare_scenario(name: str, rank: int, world: int, batch: int, steps: int, seed: int,
-                     device: torch.device) -> dict:
+                     device: torch.device) -> dict[str, WrapperRun]:
     """Train each wrapper ``steps`` SGD-momentum steps; max |difference| to the single-process reference."""
     model_kw, ddp_kw, use_aux = SCENARIOS[name]
     g = torch.Generator().manual_seed(seed)
@@ -120,44 +191,39 @@ def compare_scenario(name: str, rank: int, world: int, batch: int, steps: int, s
     ref = train(ref_model, X, Y)
     mine = slice(rank * batch, (rank + 1) * batch)
     out = {}
-    for kind in ("naive", "bucketed", "torch", "bucketed_first_call"):
-        if kind == "bucketed_first_call" and name != "reentrant":
+    for kind in (*KINDS, "dynamic_first_call"):
+        if kind == "dynamic_first_call" and name != "reentrant":
             continue
-        wrapped = _wrap(kind.removesuffix("_first_call"), copy.deepcopy(base), ddp_kw, SMALL_CAP_MB)
-        if kind == "bucketed_first_call":
-            # the mistake the hook counting avoids: send a bucket at the first hook call of each parameter
-            wrapped._expected = [1] * len(wrapped.params)
-            wrapped._reset()
+        wrapped = _wrap(kind, copy.deepcopy(base), ddp_kw, SMALL_CAP_MB)
         hist = train(wrapped, X[:, mine], Y[:, mine])
         inner = wrapped.module
         none_match = all((a is None) == (b is None) for h, r in zip(hist, ref) for a, b in zip(h, r))
         grad_diff = max(((a - b).abs().max().item() for h, r in zip(hist, ref) for a, b in zip(h, r)
                          if a is not None and b is not None), default=0.0)
         param_diff = max((p - q).abs().max().item() for p, q in zip(inner.parameters(), ref_model.parameters()))
-        out[kind] = {"grad_diff": grad_diff, "param_diff": param_diff, "none_match": none_match}
-        if kind.startswith("bucketed"):
-            out[kind].update(buckets=len(wrapped.buckets), max_hook_calls=max(wrapped._expected),
-                             resent=wrapped.resent)
+        out[kind] = WrapperRun(grad_diff, param_diff, none_match)
+        if isinstance(wrapped, BucketedDDP):
+            out[kind].buckets = len(wrapped.buckets)
+        if isinstance(wrapped, DynamicBucketedDDP):
+            out[kind].max_hook_calls, out[kind].resent = max(wrapped.expected), wrapped.resent
     return out
 
 
 def _median_step_ms(models: dict[str, nn.Module], x: torch.Tensor, y: torch.Tensor, rounds: int,
-                    steps: int) -> dict[str, float]:
+                    steps: int, clock: Clock) -> dict[str, float]:
     """Interleave the wrappers round by round (fair on a noisy machine); median ms per step."""
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
     times: dict[str, list[float]] = {k: [] for k in models}
-    for r in range(rounds + 1):  # round 0 warms up (and teaches BucketedDDP its hook counts)
+    for r in range(rounds + 1):  # round 0 warms up (and teaches DynamicBucketedDDP its hook counts)
         for kind, model in models.items():
             dist.barrier()
-            start = time.perf_counter()
+            start = clock.mark()
             for _ in range(steps):
                 opts[kind].zero_grad(set_to_none=True)
                 F.cross_entropy(model(x), y).backward()
                 _sync(model)
                 opts[kind].step()
-            if x.is_cuda:
-                torch.cuda.synchronize()
-            elapsed = torch.tensor([(time.perf_counter() - start) / steps], device=x.device)
+            elapsed = torch.tensor([clock.elapsed(start, clock.mark()) / steps], device=x.device)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
             if r > 0:
                 times[kind].append(elapsed.item() * 1e3)
@@ -165,42 +231,41 @@ def _median_step_ms(models: dict[str, nn.Module], x: torch.Tensor, y: torch.Tens
 
 
 def timing(world: int, rank: int, batch: int, in_features: int, hidden: list[int], rounds: int, steps: int,
-           cap_mb: float | None, seed: int, device: torch.device) -> dict:
+           cap_mb: float | None, seed: int, device: torch.device) -> Timing:
     """Step time of each wrapper on an MLP, and the bytes each sends per step."""
     torch.manual_seed(seed)
     base = MLP(in_features, tuple(hidden)).to(device)
     g = torch.Generator().manual_seed(seed + rank)
     x = torch.randn(batch, in_features, generator=g).to(device)
     y = torch.randint(0, 10, (batch,), generator=g).to(device)
-    models = {k: _wrap(k, copy.deepcopy(base), {}, cap_mb) for k in ("naive", "bucketed", "torch")}
-    ms = _median_step_ms(models, x, y, rounds, steps)
-    grad_bytes = sum(comm.nbytes(p) for p in base.parameters())
+    clock = clock_for(device)
+    models = {k: _wrap(k, copy.deepcopy(base), {}, cap_mb) for k in KINDS}
+    ms = _median_step_ms(models, x, y, rounds, steps, clock)
     sent = {}
-    for kind in ("naive", "bucketed", "torch"):  # count the second step: both DDPs set up buckets in the first
+    for kind in KINDS:  # count the second step: both DDPs set up buckets in the first
         counter = comm.ByteCounter()
         model = _wrap(kind, copy.deepcopy(base), {}, cap_mb, counter)
         for _ in range(2):
             counter.reset()
             model.zero_grad(set_to_none=True)
-            F.cross_entropy(model(x), y).backward()
-            _sync(model)
-        sent[kind] = {"bytes": counter.bytes, "messages": counter.calls.get("all_reduce", 0)}
-    return {"ms": ms, "grad_bytes": grad_bytes, "sent": sent, "params": sum(p.numel() for p in base.parameters()),
-            "tensors": len(list(base.parameters())), "batch_per_rank": batch, "cap_mb": cap_mb}
+            with comm.handed_bytes("all_reduce") as handed:
+                F.cross_entropy(model(x), y).backward()
+                _sync(model)
+        sent[kind] = Sent(counter.bytes, counter.calls.get("all_reduce", 0), sum(handed), len(handed))
+    return Timing(ms, clock.name, sent, grad_bytes=sum(comm.nbytes(p) for p in base.parameters()),
+                  params=sum(p.numel() for p in base.parameters()), tensors=len(list(base.parameters())),
+                  batch_per_rank=batch, cap_mb=cap_mb)
 
 
-def no_sync_counts(rank: int, world: int, batch: int, k: int, steps: int, seed: int, device: torch.device) -> dict:
-    """All-reduce messages for ``steps`` optimizer steps of ``k`` micro-batches, with and without no_sync.
-
-    ``buckets`` is the number of messages one synchronised backward sends.
-    """
+def no_sync_counts(rank: int, world: int, batch: int, k: int, steps: int, seed: int, device: torch.device) -> NoSync:
+    """All-reduce messages for ``steps`` optimizer steps of ``k`` micro-batches, with and without no_sync."""
     torch.manual_seed(seed)
     base = EdgeCaseNet().to(device)
     g = torch.Generator().manual_seed(seed + rank)
     micro = [(torch.randn(batch, 32, generator=g).to(device), torch.randint(0, 10, (batch,), generator=g).to(device))
              for _ in range(k)]
-    out: dict = {"k": k, "steps": steps}
-    for kind in ("torch", "bucketed"):
+    out = NoSync(k, steps, {}, {}, {}, {})
+    for kind in ("torch", "bucketed", "dynamic"):
         last_grads: dict[bool, list[torch.Tensor]] = {}
         for use_no_sync in (False, True):
             counter = comm.ByteCounter()
@@ -217,10 +282,10 @@ def no_sync_counts(rank: int, world: int, batch: int, k: int, steps: int, seed: 
                             _sync(model)
                 last_grads[use_no_sync] = [p.grad.clone() for p in model.parameters() if p.grad is not None]
                 model.zero_grad(set_to_none=True)
-            out[f"{kind}_{'no_sync' if use_no_sync else 'every_micro_batch'}"] = counter.calls.get("all_reduce", 0)
-        out[f"{kind}_buckets"] = out[f"{kind}_no_sync"] // steps
+            (out.no_sync if use_no_sync else out.every_micro_batch)[kind] = counter.calls.get("all_reduce", 0)
+        out.buckets[kind] = out.no_sync[kind] // steps
         # the same averaged gradient either way: skipping the early all-reduces loses nothing
-        out[f"{kind}_grad_diff"] = max((a - b).abs().max().item() for a, b in zip(last_grads[False], last_grads[True]))
+        out.grad_diff[kind] = max((a - b).abs().max().item() for a, b in zip(last_grads[False], last_grads[True]))
     return out
 
 
@@ -234,26 +299,25 @@ def main() -> None:
     parser.add_argument("--timing-rounds", type=int, default=3, help="0 skips the timing")
     parser.add_argument("--timing-steps", type=int, default=5)
     parser.add_argument("--cap-mb", type=float, default=None,
-                        help="bucket size for the timing (default: each wrapper's, 25 MB with a 1 MB first bucket)")
+                        help="bucket size in MiB for the timing (default: each wrapper's, 25 with a first bucket of 1)")
     parser.add_argument("--accum", type=int, default=4, help="micro-batches per step for the no_sync count")
     parser.add_argument("--bn", action="store_true", help="also run the BatchNorm checks")
     parser.add_argument("--timing-only", action="store_true", help="skip the equality and no_sync checks")
     parser.add_argument("--seed", type=int, default=0)
+    launch.add_timeout_arg(parser)
     a = parser.parse_args()
 
-    rank, world, device = launch.init_distributed()  # CPU + gloo, or one GPU per rank + NCCL
-    result: dict = {"world": world, "backend": dist.get_backend()}
+    rank, world, device = launch.init_distributed(timeout_s=a.pg_timeout)  # CPU + gloo, or a GPU per rank + NCCL
+    result = CompareResult(world, dist.get_backend())
     if not a.timing_only:
-        result["equal"] = {name: compare_scenario(name, rank, world, a.batch, a.steps, a.seed, device)
-                           for name in SCENARIOS}
-        result["no_sync"] = no_sync_counts(rank, world, a.batch, a.accum, steps=2, seed=a.seed, device=device)
+        result.equal = {name: compare_scenario(name, rank, world, a.batch, a.steps, a.seed, device)
+                        for name in SCENARIOS}
+        result.no_sync = no_sync_counts(rank, world, a.batch, a.accum, steps=2, seed=a.seed, device=device)
     if a.timing_rounds > 0:
-        result["timing"] = timing(world, rank, a.timing_batch, a.timing_in, a.timing_hidden, a.timing_rounds,
-                                  a.timing_steps, a.cap_mb, a.seed, device)
+        result.timing = timing(world, rank, a.timing_batch, a.timing_in, a.timing_hidden, a.timing_rounds,
+                               a.timing_steps, a.cap_mb, a.seed, device)
     if a.bn:
-        from course_lib.workers.ddp_batchnorm import batchnorm_checks
-
-        result["batchnorm"] = batchnorm_checks(rank, world, device, batch=4, seed=a.seed)
+        result.batchnorm = batchnorm_checks(rank, world, device, batch=4, seed=a.seed)
     launch.report(result)
     launch.shutdown()
 

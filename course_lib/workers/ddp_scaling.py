@@ -5,10 +5,11 @@
 Each rank trains a ResNet with torch DDP on its own ``--batch`` samples per
 step (weak scaling: the global batch grows with the world size), reading its
 shard of the offline shapes dataset through ``DistributedSampler``. Rank 0
-reports samples per second over all ranks, the step time, the step time with
-``no_sync()`` (the same work without the all-reduce: compute alone), and the
-bytes a hand-written ring all-reduce of the gradient sends, against the
-2(N-1)/N formula.
+reports (``ScalingResult``) samples per second over all ranks, the step time,
+the step time with ``no_sync()`` (the same work without the all-reduce:
+compute alone) and its CPU time, and the bytes a hand-written ring all-reduce
+of the gradient sends, against the 2(N-1)/N formula. Times come from CUDA
+events on GPU ranks (``clock.clock_for``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import contextlib
 import os
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -27,26 +29,47 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from course_lib import data
 from course_lib.distributed import comm, launch
+from course_lib.distributed.clock import Clock, clock_for
+from course_lib.distributed.results import WorkerResult
 from course_lib.models import ResNet
 
 
-def _timed_steps(model: DDP, opt: torch.optim.Optimizer, batches: list, sync: bool, device: torch.device) -> float:
-    """Median seconds per step over ``batches`` (each step as slow as the slowest rank)."""
-    times = []
+@dataclass
+class ScalingResult(WorkerResult):
+    world: int
+    batch_per_rank: int
+    global_batch: int
+    step_ms: float          # median step, as slow as the slowest rank
+    compute_ms: float       # the same step under no_sync(): the work without the all-reduce
+    compute_cpu_ms: float   # CPU time of one such step on rank 0: the work itself, whatever else runs
+    samples_per_s: float
+    clock: str
+    grad_bytes: int
+    ring_bytes: float
+    ring_ratio: float
+    ring_max_abs_diff: float
+    shard_size: int         # samples of the dataset that DistributedSampler gave rank 0
+    cpu_count: int
+    backend: str
+
+
+def _timed_steps(model: DDP, opt: torch.optim.Optimizer, batches: list, sync: bool,
+                 clock: Clock) -> tuple[float, float]:
+    """Median seconds per step over ``batches`` (each step as slow as the slowest rank), and CPU seconds."""
+    times, cpu = [], []
     for x, y in batches:
         dist.barrier()  # start together, so one rank's step does not include waiting for another's
-        start = time.perf_counter()
+        start, cpu_start = clock.mark(), time.process_time()
         ctx = contextlib.nullcontext() if sync else model.no_sync()
         with ctx:
             opt.zero_grad(set_to_none=True)
             F.cross_entropy(model(x), y).backward()
         opt.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t = torch.tensor([time.perf_counter() - start], device=device)
+        t = torch.tensor([clock.elapsed(start, clock.mark())], device=x.device)
+        cpu.append(time.process_time() - cpu_start)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         times.append(t.item())
-    return statistics.median(times)
+    return statistics.median(times), statistics.median(cpu)
 
 
 def main() -> None:
@@ -55,9 +78,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps (after one warm-up step)")
     parser.add_argument("--width", type=int, default=8, help="ResNet width")
     parser.add_argument("--seed", type=int, default=0)
+    launch.add_timeout_arg(parser)
     a = parser.parse_args()
 
-    rank, world, device = launch.init_distributed()
+    rank, world, device = launch.init_distributed(timeout_s=a.pg_timeout)
     dataset = data.load_dataset("shapes", "train", n=world * a.batch * (a.steps + 1), seed=a.seed)
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=a.seed)
     sampler.set_epoch(0)  # a different shuffle each epoch, the same on every rank
@@ -67,9 +91,10 @@ def main() -> None:
     torch.manual_seed(a.seed)
     model = DDP(ResNet(a.width).to(device), device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    _timed_steps(model, opt, batches[:1], True, device)  # warm-up: allocations, DDP's first-step bookkeeping
-    step_s = _timed_steps(model, opt, batches[1:], True, device)
-    compute_s = _timed_steps(model, opt, batches[1:], False, device)
+    clock = clock_for(device)
+    _timed_steps(model, opt, batches[:1], True, clock)  # warm-up: allocations, DDP's first-step bookkeeping
+    step_s, _ = _timed_steps(model, opt, batches[1:], True, clock)
+    compute_s, compute_cpu_s = _timed_steps(model, opt, batches[1:], False, clock)
 
     # communication volume of one gradient all-reduce, by the hand-written ring
     flat = torch.cat([p.grad.flatten() for p in model.parameters()])
@@ -78,14 +103,13 @@ def main() -> None:
     counter = comm.ByteCounter()
     comm.ring_all_reduce(flat, counter=counter)
     grad_bytes = comm.nbytes(flat)
-    launch.report({
-        "world": world, "batch_per_rank": a.batch, "global_batch": world * a.batch,
-        "step_ms": step_s * 1e3, "compute_ms": compute_s * 1e3,
-        "samples_per_s": world * a.batch / step_s,
-        "grad_bytes": grad_bytes, "ring_bytes": counter.bytes, "ring_ratio": counter.bytes / grad_bytes,
-        "ring_max_abs_diff": (flat - expected).abs().max().item(),
-        "shard_sizes": len(sampler), "cpu_count": os.cpu_count(), "backend": dist.get_backend(),
-    })
+    launch.report(ScalingResult(
+        world=world, batch_per_rank=a.batch, global_batch=world * a.batch,
+        step_ms=step_s * 1e3, compute_ms=compute_s * 1e3, compute_cpu_ms=compute_cpu_s * 1e3,
+        samples_per_s=world * a.batch / step_s, clock=clock.name,
+        grad_bytes=grad_bytes, ring_bytes=counter.bytes, ring_ratio=counter.bytes / grad_bytes,
+        ring_max_abs_diff=(flat - expected).abs().max().item(),
+        shard_size=len(sampler), cpu_count=os.cpu_count() or 1, backend=dist.get_backend()))
     launch.shutdown()
 
 

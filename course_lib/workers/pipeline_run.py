@@ -10,19 +10,23 @@ the ranks run one training step with the hand-written executor
 ``Schedule1F1B``). Every rank also computes the whole model's step on the
 whole batch, so each run reports how far the pipeline's outputs and gradients
 are from the sequential ones, its measured bubble, its micro-batches and
-activation bytes in flight, and the busy intervals of every op (for a Gantt chart).
+activation bytes in flight, and the busy intervals of every op (for a Gantt chart):
+rank 0 reports a ``PipelineResult``. On GPU ranks the ops are timed with CUDA events.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from course_lib.data import make_tokens
 from course_lib.distributed import launch
+from course_lib.distributed.clock import Clock, clock_for
+from course_lib.distributed.results import WorkerResult
 from course_lib.distributed.pipeline import bubble_formula, make_schedule, simulate
 from course_lib.distributed.pipeline_exec import (StageRun, boundary_shapes, measured_bubble, run_stage,
                                                   split_sequential)
@@ -52,8 +56,52 @@ def _max_grad_diff(stage: torch.nn.Module, ref_stage: torch.nn.Module) -> float:
     return max(diffs, default=0.0)
 
 
-def handmade_step(a: argparse.Namespace, kind: str, m: int, rank: int, world: int, device: torch.device) -> dict:
-    """One step with the hand-written executor; rank 0 returns the whole run's figures."""
+@dataclass
+class HandmadeRun(WorkerResult):
+    """One step of the hand-written executor, every rank's figures together."""
+
+    kind: str
+    p: int
+    m: int
+    padded: bool
+    makespan_s: float
+    bubble_measured: float
+    bubble_formula: float
+    bubble_simulated: float
+    peak_inflight: list[int]                # per stage
+    peak_inflight_simulated: list[float]
+    peak_activation_bytes: list[int]        # per stage
+    overruns: int                           # ops whose work took longer than their padded time
+    grad_max_abs_diff: float
+    output_max_abs_diff: float
+    timings: list[tuple[int, str, int, float, float]]  # (stage, op, micro-batch, start, end), s from the start
+    bubble_measured_all: list[float] = field(default_factory=list)  # every repeat's
+
+
+@dataclass
+class TorchApiRun(WorkerResult):
+    """One step of torch.distributed.pipelining."""
+
+    kind: str
+    p: int
+    m: int
+    grad_max_abs_diff: float
+    output_max_abs_diff: float
+    loss: float
+
+
+@dataclass
+class PipelineResult(WorkerResult):
+    world: int
+    backend: str
+    clock: str                              # what timed the ops: perf_counter, or CUDA events
+    handmade: list[HandmadeRun] = field(default_factory=list)
+    torch_api: list[TorchApiRun] = field(default_factory=list)
+
+
+def handmade_step(a: argparse.Namespace, kind: str, m: int, rank: int, world: int, device: torch.device,
+                  clock: Clock) -> HandmadeRun | None:
+    """One step with the hand-written executor; rank 0 returns the whole run's figures, the others None."""
     model, reference, x, y, ref_logits = build(a, world, m)
     stages = split_sequential(model.as_sequential(), world)
     ref_stage = split_sequential(reference.as_sequential(), world)[rank]
@@ -65,7 +113,8 @@ def handmade_step(a: argparse.Namespace, kind: str, m: int, rank: int, world: in
     pad = None if a.t_forward_ms <= 0 else {"F": a.t_forward_ms / 1e3, "B": a.t_backward_ms / 1e3}
     dist.barrier()                                 # start together, so idle time is the schedule's
     run = run_stage(stage, order, rank, world, shapes[rank], inputs=xs if rank == 0 else None,
-                    targets=ys if rank == world - 1 else None, loss_fn=lm_loss, op_seconds=pad, device=device)
+                    targets=ys if rank == world - 1 else None, loss_fn=lm_loss, op_seconds=pad, device=device,
+                    clock=clock)
     mine = {"rank": run.rank, "start": run.start, "end": run.end, "busy": run.busy,
             "peak_inflight": run.peak_inflight, "peak_activation_bytes": run.peak_activation_bytes,
             "overruns": run.overruns, "grad_max_abs_diff": _max_grad_diff(stage.cpu(), ref_stage)}
@@ -74,29 +123,28 @@ def handmade_step(a: argparse.Namespace, kind: str, m: int, rank: int, world: in
     gathered: list[dict] | None = [None] * world if rank == 0 else None  # type: ignore[list-item]
     dist.gather_object(mine, gathered, dst=0)
     if rank != 0:
-        return {}
+        return None
     runs = sorted(gathered, key=lambda r: r["rank"])  # type: ignore[arg-type]
 
     meas = measured_bubble([StageRun(r["rank"], r["start"], r["end"], busy=r["busy"]) for r in runs])
     t0 = min(r["start"] for r in runs)
     sim = simulate(make_schedule(kind, world, m), a.t_forward_ms or 1.0, a.t_backward_ms or 2.0)
-    return {
-        "kind": kind, "p": world, "m": m, "padded": pad is not None,
-        "makespan_s": meas["makespan"], "bubble_measured": meas["bubble_fraction"],
-        "bubble_formula": bubble_formula(world, m), "bubble_simulated": sim.bubble_fraction,
-        "peak_inflight": [r["peak_inflight"] for r in runs],
-        "peak_inflight_simulated": sim.peak_inflight,
-        "peak_activation_bytes": [r["peak_activation_bytes"] for r in runs],
-        "overruns": sum(r["overruns"] for r in runs),
-        "grad_max_abs_diff": max(r["grad_max_abs_diff"] for r in runs),
-        "output_max_abs_diff": runs[-1]["output_max_abs_diff"],
+    return HandmadeRun(
+        kind=kind, p=world, m=m, padded=pad is not None,
+        makespan_s=meas["makespan"], bubble_measured=meas["bubble_fraction"],
+        bubble_formula=bubble_formula(world, m), bubble_simulated=sim.bubble_fraction,
+        peak_inflight=[r["peak_inflight"] for r in runs], peak_inflight_simulated=sim.peak_inflight,
+        peak_activation_bytes=[r["peak_activation_bytes"] for r in runs],
+        overruns=sum(r["overruns"] for r in runs),
+        grad_max_abs_diff=max(r["grad_max_abs_diff"] for r in runs),
+        output_max_abs_diff=runs[-1]["output_max_abs_diff"],
         # (stage, op, micro-batch, start, end) in seconds from the common start, for plots.gantt
-        "timings": [(r["rank"], op, i, b - t0, e - t0) for r in runs for op, i, b, e in r["busy"]],
-    }
+        timings=[(r["rank"], op, i, b - t0, e - t0) for r in runs for op, i, b, e in r["busy"]])
 
 
-def torch_api_step(a: argparse.Namespace, kind: str, m: int, rank: int, world: int, device: torch.device) -> dict:
-    """The same step with ``torch.distributed.pipelining``; rank 0 returns the differences."""
+def torch_api_step(a: argparse.Namespace, kind: str, m: int, rank: int, world: int,
+                   device: torch.device) -> TorchApiRun | None:
+    """The same step with ``torch.distributed.pipelining``; rank 0 returns the differences, the others None."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     model, reference, x, y, ref_logits = build(a, world, m)
@@ -120,11 +168,10 @@ def torch_api_step(a: argparse.Namespace, kind: str, m: int, rank: int, world: i
     gathered: list[dict] | None = [None] * world if rank == 0 else None  # type: ignore[list-item]
     dist.gather_object(mine, gathered, dst=0)
     if rank != 0:
-        return {}
-    return {"kind": kind, "p": world, "m": m,
-            "grad_max_abs_diff": max(g["grad_max_abs_diff"] for g in gathered),  # type: ignore[union-attr]
-            "output_max_abs_diff": gathered[-1]["output_max_abs_diff"],  # type: ignore[index]
-            "loss": gathered[-1]["loss"]}  # type: ignore[index]
+        return None
+    return TorchApiRun(kind, world, m, grad_max_abs_diff=max(g["grad_max_abs_diff"] for g in gathered),  # type: ignore
+                       output_max_abs_diff=gathered[-1]["output_max_abs_diff"],  # type: ignore[index]
+                       loss=gathered[-1]["loss"])  # type: ignore[index]
 
 
 def main() -> None:
@@ -146,6 +193,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1,
                         help="run each padded step this often and keep the fastest (least disturbed) one")
     parser.add_argument("--seed", type=int, default=0)
+    launch.add_timeout_arg(parser)
     a = parser.parse_args()
     kinds = [k.strip() for k in a.schedules.split(",") if k.strip()]
     bad = [k for k in kinds if k not in ("gpipe", "1f1b")]
@@ -154,27 +202,31 @@ def main() -> None:
     if a.repeats < 1:
         raise ValueError(f"--repeats must be at least 1; got {a.repeats}")
 
-    rank, world, device = launch.init_distributed(timeout_s=60)
+    rank, world, device = launch.init_distributed(timeout_s=a.pg_timeout)
     torch.set_num_threads(1)                       # p ranks share the cores: one thread each
-    result: dict = {"world": world, "backend": dist.get_backend(), "handmade": [], "torch_api": []}
+    clock = clock_for(device)                      # made here: on a GPU it calibrates its padding first
+    result = PipelineResult(world, dist.get_backend(), clock.name)
     if a.api in ("handmade", "both"):
         # Warm-up, not measured: the first messages between two ranks open their
         # connection and the first backward initialises autograd, which would
         # otherwise count as idle time of the first measured run.
-        handmade_step(argparse.Namespace(**{**vars(a), "t_forward_ms": 0.0}), "1f1b", world, rank, world, device)
+        handmade_step(argparse.Namespace(**{**vars(a), "t_forward_ms": 0.0}), "1f1b", world, rank, world, device,
+                      clock)
         for kind in kinds:
             for m in _ints(a.microbatches):
                 # On a shared machine another process can stall a rank for a while;
                 # the fastest of a few repeats is the one closest to the schedule itself.
-                tries = [handmade_step(a, kind, m, rank, world, device) for _ in range(a.repeats)]
+                tries = [handmade_step(a, kind, m, rank, world, device, clock) for _ in range(a.repeats)]
                 if rank == 0:
-                    best = min(tries, key=lambda r: r["makespan_s"])
-                    best["bubble_measured_all"] = [r["bubble_measured"] for r in tries]
-                    result["handmade"].append(best)
+                    best = min(tries, key=lambda r: r.makespan_s)
+                    best.bubble_measured_all = [r.bubble_measured for r in tries]
+                    result.handmade.append(best)
     if a.api in ("torch", "both"):
         for kind in kinds:
             for m in _ints(a.torch_microbatches or a.microbatches):
-                result["torch_api"].append(torch_api_step(a, kind, m, rank, world, device))
+                run = torch_api_step(a, kind, m, rank, world, device)
+                if run is not None:
+                    result.torch_api.append(run)
     launch.report(result)
     launch.shutdown()
 

@@ -12,24 +12,71 @@ Modes:
 - ``mismatch``: rank 0 all-reduces, rank 1 never joins: the process group's
   timeout (``--pg-timeout``) turns the wait into an error.
 - ``comm``: the counting collectives and the hand-written ring all-reduce,
-  checked against ``torch.distributed`` and the 2(N-1)/N formula.
+  checked against ``torch.distributed`` and the 2(N-1)/N formula, with the
+  point-to-point batches the ring posted.
+
+Every tensor lives on the rank's device (a GPU under NCCL). Rank 0 reports an
+``OkResult`` or ``CommChecks``; the parent reads it with ``from_dict``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 from course_lib.distributed import comm, launch
+from course_lib.distributed.results import WorkerResult
 
 FOREVER_S = 3600  # longer than any test's timeout
+
+
+@dataclass
+class OkResult(WorkerResult):
+    sum: float          # the all-reduce of every rank's rank + 1
+    world: int
+    rank: int
+    backend: str
+    device: str
+    omp_threads: int
+
+
+@dataclass
+class RingCheck(WorkerResult):
+    max_abs_diff: float     # against dist.all_reduce
+    bytes: float            # what the ring's sends carried, on this rank
+    tensor_bytes: int
+    batches: list[list[str]]  # the ops of each dist.batch_isend_irecv call, e.g. ["isend", "irecv"]
+
+
+@dataclass
+class WrapperCheck(WorkerResult):
+    all_reduce_ok: bool
+    reduce_scatter_ok: bool
+    all_gather_ok: bool
+    broadcast_ok: bool
+    by_op: dict[str, float]
+    calls: dict[str, int]
+    bytes: float
+    full_bytes: int
+
+
+@dataclass
+class CommChecks(WorkerResult):
+    world: int
+    device: str
+    ring: dict[str, RingCheck]      # by numel
+    wrappers: WrapperCheck
+    shape_error: str | None         # the message of a wrong shard size
 
 
 def _write_pid(pid_dir: str | None, name: str, pid: int) -> None:
@@ -37,57 +84,71 @@ def _write_pid(pid_dir: str | None, name: str, pid: int) -> None:
         Path(pid_dir, f"{name}.pid").write_text(str(pid))
 
 
-def _comm_checks(rank: int, world: int) -> dict:
+@contextlib.contextmanager
+def _batches_posted() -> Iterator[list[list[str]]]:
+    """Record the op names of every ``dist.batch_isend_irecv`` call inside the block."""
+    original, seen = dist.batch_isend_irecv, []
+
+    def spy(ops):
+        seen.append([op.op.__name__ for op in ops])
+        return original(ops)
+
+    dist.batch_isend_irecv = spy
+    try:
+        yield seen
+    finally:
+        dist.batch_isend_irecv = original
+
+
+def _comm_checks(rank: int, world: int, device: torch.device) -> CommChecks:
     """Counts and results of every counting collective, for numels divisible by N and not."""
-    out: dict = {"world": world}
+    ring = {}
     g = torch.Generator().manual_seed(1234 + rank)
     for numel in (world * 1000, world * 1000 + 1):  # even chunks, then uneven ones
-        x = torch.randn(numel, generator=g, dtype=torch.float32)
+        x = torch.randn(numel, generator=g, dtype=torch.float32).to(device)
         expected = x.clone()
         dist.all_reduce(expected)
         c = comm.ByteCounter()
         y = x.clone()
-        comm.ring_all_reduce(y, counter=c)
-        out[f"ring_{numel}"] = {"max_abs_diff": (y - expected).abs().max().item(),
-                                "bytes": c.bytes, "tensor_bytes": comm.nbytes(x)}
+        with _batches_posted() as batches:
+            comm.ring_all_reduce(y, counter=c)
+        ring[str(numel)] = RingCheck((y - expected).abs().max().item(), c.bytes, comm.nbytes(x), batches)
     c = comm.ByteCounter()
-    x = torch.full((world * 256,), float(rank + 1))
+    x = torch.full((world * 256,), float(rank + 1), device=device)
     comm.all_reduce(x, counter=c)
-    shard = torch.empty(256)
-    comm.reduce_scatter(shard, torch.arange(world * 256, dtype=torch.float32), counter=c)
-    full = torch.empty(world * 256)
-    comm.all_gather(full, torch.full((256,), float(rank)), counter=c)
-    b = torch.full((world * 256,), float(rank))
+    shard = torch.empty(256, device=device)
+    comm.reduce_scatter(shard, torch.arange(world * 256, dtype=torch.float32, device=device), counter=c)
+    full = torch.empty(world * 256, device=device)
+    comm.all_gather(full, torch.full((256,), float(rank), device=device), counter=c)
+    b = torch.full((world * 256,), float(rank), device=device)
     comm.broadcast(b, src=0, counter=c)
-    expected_shard = torch.arange(rank * 256, (rank + 1) * 256, dtype=torch.float32) * world
-    out["wrappers"] = {
-        "all_reduce_ok": bool(torch.all(x == world * (world + 1) / 2)),
-        "reduce_scatter_ok": bool(torch.equal(shard, expected_shard)),
-        "all_gather_ok": bool(torch.equal(full, torch.arange(world).repeat_interleave(256).float())),
-        "broadcast_ok": bool(torch.all(b == 0)),
-        "by_op": c.by_op, "calls": c.calls, "bytes": c.bytes, "full_bytes": world * 256 * 4,
-    }
+    expected_shard = torch.arange(rank * 256, (rank + 1) * 256, dtype=torch.float32, device=device) * world
+    wrappers = WrapperCheck(
+        all_reduce_ok=bool(torch.all(x == world * (world + 1) / 2)),
+        reduce_scatter_ok=bool(torch.equal(shard, expected_shard)),
+        all_gather_ok=bool(torch.equal(full, torch.arange(world, device=device).repeat_interleave(256).float())),
+        broadcast_ok=bool(torch.all(b == 0)),
+        by_op=c.by_op, calls=c.calls, bytes=c.bytes, full_bytes=world * 256 * 4)
     try:  # a wrong shard size must be a clear error, before any communication
-        comm.reduce_scatter(torch.empty(3), torch.empty(world * 256))
-        out["shape_error"] = None
+        comm.reduce_scatter(torch.empty(3, device=device), torch.empty(world * 256, device=device))
+        shape_error = None
     except ValueError as exc:
-        out["shape_error"] = str(exc)
-    return out
+        shape_error = str(exc)
+    return CommChecks(world, str(device), ring, wrappers, shape_error)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=["ok", "fail", "hang", "mismatch", "comm"], default="ok")
-    parser.add_argument("--pg-timeout", type=float, default=60.0, help="process-group timeout, seconds")
     parser.add_argument("--pid-dir", default=None, help="hang mode: write one <name>.pid file per process here")
+    launch.add_timeout_arg(parser)
     a = parser.parse_args()
 
     rank, world, device = launch.init_distributed(timeout_s=a.pg_timeout)
     if a.mode == "ok":
         x = torch.tensor([float(rank + 1)], device=device)
         dist.all_reduce(x)
-        launch.report({"sum": x.item(), "world": world, "rank": rank,
-                       "backend": dist.get_backend(), "omp_threads": torch.get_num_threads()})
+        launch.report(OkResult(x.item(), world, rank, dist.get_backend(), str(device), torch.get_num_threads()))
     elif a.mode == "fail":
         if rank == 1:
             raise ValueError("selftest: rank 1 fails on purpose")
@@ -101,11 +162,11 @@ def main() -> None:
         time.sleep(FOREVER_S)
     elif a.mode == "mismatch":
         if rank == 0:
-            dist.all_reduce(torch.ones(4))  # rank 1 never joins this collective
+            dist.all_reduce(torch.ones(4, device=device))  # rank 1 never joins this collective
         else:
             time.sleep(a.pg_timeout + 60)  # outlives rank 0's timeout
     elif a.mode == "comm":
-        launch.report(_comm_checks(rank, world))
+        launch.report(_comm_checks(rank, world, device))
     launch.shutdown()
 
 

@@ -1,0 +1,51 @@
+"""Typed results: the dataclasses a worker reports and its parent reads back (chapters 06-08).
+
+A worker fills a dataclass that derives from ``WorkerResult`` and hands it to
+``launch.report``, which writes ``dataclasses.asdict`` of it as JSON; the
+notebook, test or benchmark that started the worker rebuilds the same
+dataclass, nested ones included, with ``Result.from_dict(launch.run(...))``.
+Both sides then share one definition of what a run measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, TypeVar
+
+R = TypeVar("R", bound="WorkerResult")
+
+
+class WorkerResult:
+    """Base of the dataclasses a worker fills: ``report(result)`` sends ``dataclasses.asdict(result)``,
+    and the parent rebuilds the same dataclass with ``Result.from_dict(launch.run(...))``."""
+
+    @classmethod
+    def from_dict(cls: type[R], data: dict) -> R:
+        return _build(cls, data)
+
+
+def _build(tp: Any, value: Any) -> Any:
+    """``value`` (plain JSON) as type ``tp``: dataclasses, lists, tuples, dicts and ``X | None``, recursively."""
+    if value is None:
+        return None
+    if dataclasses.is_dataclass(tp):
+        hints = typing.get_type_hints(tp)
+        names = {f.name for f in dataclasses.fields(tp)}
+        unknown = set(value) - names
+        if unknown:
+            raise ValueError(f"{tp.__name__} has no field(s) {sorted(unknown)}: the worker and the parent disagree "
+                             "about the result (a stale worker module?)")
+        return tp(**{k: _build(hints[k], v) for k, v in value.items()})
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):  # X | None
+        return _build(next(a for a in args if a is not type(None)), value)
+    if origin is list:
+        return [_build(args[0], v) for v in value]
+    if origin is tuple:
+        items = args[:1] * len(value) if len(args) == 2 and args[1] is Ellipsis else args
+        return tuple(_build(a, v) for a, v in zip(items, value))
+    if origin is dict:
+        return {k: _build(args[1], v) for k, v in value.items()}
+    return value
