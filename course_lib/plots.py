@@ -45,8 +45,11 @@ def curves(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], title:
     return fig
 
 
-def stacked_bars(parts: Mapping[str, Mapping[str, float]], title: str, ylabel: str = "MB") -> Figure:
-    """One stacked bar per configuration: ``{config: {part: value}}`` (e.g. params/grads/optimizer/activations)."""
+def stacked_bars(parts: Mapping[str, Mapping[str, float]], title: str, ylabel: str) -> Figure:
+    """One stacked bar per configuration: ``{config: {part: value}}`` (e.g. params/grads/optimizer/activations).
+
+    ``ylabel`` names the unit, and it must match the divisor: "MiB" for 2**20 bytes, "MB" for 1e6.
+    """
     fig, ax = plt.subplots(figsize=(6, 3.8))
     configs = list(parts)
     names = list(dict.fromkeys(k for p in parts.values() for k in p))
