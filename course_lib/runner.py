@@ -27,6 +27,11 @@ NOTEBOOKS = ROOT / "notebooks"
 # does): the connection to the kernel is encrypted, and ipykernel no longer warns "Kernel is running over TCP
 # without encryption" at every start. A kernelspec without support starts as before, unencrypted.
 KERNEL_MANAGER_CONFIG = {"KernelManager": {"transport_encryption": "auto"}}
+# Kernels of these profiles run one intra-op thread unless OMP_NUM_THREADS is set. On a shared or busy machine
+# two threads wait on each other at every operation: on a loaded 2-core machine the smoke models ran 5-100x
+# slower, and chapter 03's `cpu` training cell took 5 min 14 s with two threads against 12 s with one. The `cpu`
+# sizes are chosen to fit 5 minutes a notebook on one core, so one thread keeps that promise on any machine.
+ONE_THREAD_PROFILES = ("smoke", "cpu")
 # Without a terminal (CI logs, `make course | tee`), a progress line at most this often, in seconds.
 LOG_EVERY_S = 30.0
 
@@ -161,9 +166,7 @@ def execute(notebook: Path, profile: str, out: Path, timeout: int | None = None,
         "COURSE_RESULTS": str(results_file), "COURSE_FIGURES": str(out / "figures" / stem),
         "COURSE_PROFILE": profile, "COURSE_PROGRESS": "0", "PYDEVD_DISABLE_FILE_VALIDATION": "1",
     })
-    if profile == "smoke" and "OMP_NUM_THREADS" not in env_before:
-        # smoke runs in CI, on shared machines: there two intra-op threads wait on each other and made the
-        # tiny smoke models 5-100x slower (measured on a loaded 2-core machine); one thread is as fast when idle.
+    if profile in ONE_THREAD_PROFILES and "OMP_NUM_THREADS" not in env_before:
         os.environ["OMP_NUM_THREADS"] = "1"
     start, error = time.perf_counter(), None
     cells = CellProgress(stem, progress)
