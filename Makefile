@@ -1,6 +1,8 @@
 # The course's two commands (see README.md):
 #   make course   create .venv, install, execute every notebook into build/ and write build/report.md
 #   make test     create .venv, install, run the test suite
+# Options: `make course PROFILE=cpu` (smoke, cpu or gpu); `make test PROFILE=cpu` or `COURSE_TEST_PROFILE=cpu make test`
+# runs the notebook tests at that profile (the environment reaches every command below).
 PYTHON ?= python3
 VENV ?= .venv
 PROFILE ?=
@@ -19,9 +21,10 @@ course: install
 	$(BIN)/course run $(if $(PROFILE),--profile $(PROFILE),)
 
 test: install
-	$(BIN)/python -m pytest
+	$(if $(PROFILE),COURSE_TEST_PROFILE=$(PROFILE) ,)$(BIN)/python -m pytest
 
+# JupyterLab on the course folder; `course lab` adds --allow-root when run as root (Jupyter refuses root without it)
 lab: install
-	$(BIN)/jupyter lab notebooks/
+	$(BIN)/course lab
 
 .PHONY: install course test lab

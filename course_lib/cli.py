@@ -2,6 +2,7 @@
 
     course run [--profile P] [--out DIR] [NOTEBOOK ...]   execute notebooks, write build/report.md
     course doctor                                         versions, device, datasets, what to fix
+    course lab [JUPYTER_ARGS ...]                         JupyterLab on the course (adds --allow-root as root)
     course download cifar10                               fetch CIFAR-10 into data/
     course bench [--json]                                 speed and memory ratios (benchmarks/)
     course site [--build DIR]                             static HTML of the executed course
@@ -14,15 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
-from course_lib import env
+from course_lib import env, runner
+
+ROOT = runner.ROOT
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from course_lib import runner
-
     profile = env.pick_profile(args.profile)
     runs = runner.run(args.notebooks or None, profile, Path(args.out), args.cell_timeout)
     failed = [r["notebook"] for r in runs if r["error"]]
@@ -39,7 +41,11 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     problems = []
     for key, value in info.items():
         print(f"{key:>16}: {value}")
-    print(f"{'profile':>16}: {env.pick_profile()} (set COURSE_PROFILE to smoke, cpu or gpu to change)")
+    try:
+        print(f"{'profile':>16}: {env.pick_profile()} (set COURSE_PROFILE to smoke, cpu or gpu to change)")
+    except ValueError as exc:  # an unknown COURSE_PROFILE, or gpu without CUDA
+        print(f"{'profile':>16}: none usable")
+        problems.append(str(exc))
     print(f"{'shapes dataset':>16}: available (generated offline)")
     if data.cifar10_available():
         print(f"{'CIFAR-10':>16}: available under {data.DATA_ROOT}")
@@ -52,6 +58,29 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     for p in problems:
         print("fix:", p)
     return 1 if problems else 0
+
+
+def lab_argv(root: Path = ROOT, extra: list[str] | None = None) -> list[str]:
+    """The command ``course lab`` runs: JupyterLab on the course folder.
+
+    As root (a container, a cloud VM) Jupyter refuses to start without
+    ``--allow-root``, so it is added. Kernels get CurveZMQ keys, as in ``course run``.
+    """
+    argv = [sys.executable, "-m", "jupyterlab", f"--ServerApp.root_dir={root}"]
+    argv += [f"--{cls}.{key}={value}" for cls, traits in runner.KERNEL_MANAGER_CONFIG.items()
+             for key, value in traits.items()]
+    if hasattr(os, "geteuid") and os.geteuid() == 0 and "--allow-root" not in (extra or []):
+        argv.append("--allow-root")
+    return argv + list(extra or [])
+
+
+def _cmd_lab(args: argparse.Namespace) -> int:
+    argv = lab_argv(extra=args.jupyter_args)
+    if "--allow-root" in argv and "--allow-root" not in args.jupyter_args:
+        print("[course] running as root: adding --allow-root (Jupyter refuses to start as root without it)")
+    print("[course]", " ".join(argv[1:]), flush=True)
+    os.execv(argv[0], argv)  # Jupyter takes over this process: Ctrl-C and its shutdown prompt work as usual
+    return 0  # not reached
 
 
 def _cmd_download(args: argparse.Namespace) -> int:
@@ -99,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_run)
     p = sub.add_parser("doctor", help="versions, device, datasets, and what to fix")
     p.set_defaults(func=_cmd_doctor)
+    p = sub.add_parser("lab", help="start JupyterLab on the course folder (adds --allow-root when run as root)")
+    p.add_argument("jupyter_args", nargs=argparse.REMAINDER, help="passed on to jupyter lab, e.g. --port 8890")
+    p.set_defaults(func=_cmd_lab)
     p = sub.add_parser("download", help="download a dataset into data/")
     p.add_argument("dataset", help="cifar10")
     p.set_defaults(func=_cmd_download)

@@ -1,20 +1,22 @@
-"""Device choice, seeding and profiles (chapter 00).
+"""Device choice, seeding, profiles, timing and progress bars (chapter 00).
 
 A *profile* names how big the experiments are:
 
 - ``smoke``: CI, about a minute per notebook on two CPU cores;
-- ``cpu``: a laptop, a few minutes per notebook;
-- ``gpu``: one modern GPU, full sizes.
+- ``cpu``: a laptop, at most five minutes per notebook;
+- ``gpu``: one modern GPU, full sizes (it needs CUDA: see ``pick_profile``).
 """
 
 from __future__ import annotations
 
 import os
 import random
-from typing import TYPE_CHECKING, Any, Mapping, TypeVar
+import time
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, TypeVar
 
 if TYPE_CHECKING:
     import torch
+    from tqdm import tqdm
 
 # torch is imported inside the functions that need it, so that `course --help`,
 # `course grade` and other commands that never touch a tensor start quickly.
@@ -34,11 +36,28 @@ def check_profile(profile: str) -> str:
 
 
 def pick_profile(requested: str | None = None) -> str:
-    """The profile to run: ``requested``, else ``$COURSE_PROFILE``, else ``gpu`` with CUDA, else ``cpu``."""
+    """The profile to run: ``requested``, else ``$COURSE_PROFILE``, else ``gpu`` with CUDA, else ``cpu``.
+
+    Asking for ``gpu`` where PyTorch sees no CUDA device is an error, not a
+    warning: the gpu sizes would run on the CPU for hours (a warning would
+    scroll past while the first cell runs), and no CUDA-only measurement would
+    happen. The message says what to choose instead.
+    """
     import torch
 
-    profile = requested or os.environ.get("COURSE_PROFILE") or ("gpu" if torch.cuda.is_available() else "cpu")
-    return check_profile(profile)
+    profile = check_profile(
+        requested or os.environ.get("COURSE_PROFILE") or ("gpu" if torch.cuda.is_available() else "cpu"))
+    if profile == "gpu" and not torch.cuda.is_available():
+        source = "asked for" if requested else "set by COURSE_PROFILE"
+        raise ValueError(
+            f"profile 'gpu' ({source}) needs a CUDA GPU, and PyTorch sees none "
+            f"(torch {torch.__version__}, torch.cuda.is_available() is False). Its sizes would run on the CPU "
+            "for hours. Choose 'cpu' (at most 5 minutes a notebook) or 'smoke' (about a minute): "
+            'PROFILE = "cpu" in the parameters cell, COURSE_PROFILE=cpu, or `course run --profile cpu`. '
+            "If this machine has a GPU, `course doctor` shows what PyTorch sees (a CPU-only torch build, or a "
+            "driver older than the build needs); on a hosted notebook, choose a GPU runtime."
+        )
+    return profile
 
 
 def sizes(profile: str, table: Mapping[str, T]) -> T:
@@ -60,6 +79,44 @@ def pick_device(profile: str | None = None) -> "torch.device":
     if profile in (None, "gpu") and torch.cuda.is_available():
         return torch.device("cuda")
     return torch.device("cpu")
+
+
+def time_s(fn: Callable[[], object], device: "torch.device | str") -> float:
+    """Seconds one call of ``fn()`` takes on ``device``.
+
+    On CUDA the host only queues kernels, so a host clock would time the
+    queueing: CUDA events, recorded on the stream around the call, time the
+    GPU's work. On the CPU, ``time.perf_counter``.
+    """
+    import torch
+
+    if torch.device(device).type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3  # elapsed_time is in milliseconds
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def show_progress() -> bool:
+    """Whether progress bars are shown: yes, unless ``COURSE_PROGRESS=0``.
+
+    ``course run`` sets it to 0: a bar inside a kernel would only fill the
+    executed notebook with redrawn lines; the runner prints its own line per cell.
+    """
+    return os.environ.get("COURSE_PROGRESS", "1") != "0"
+
+
+def progress(iterable: Iterable[T], desc: str, total: int | None = None) -> "tqdm":
+    """``iterable`` wrapped in a text progress bar (tqdm) for a long cell; silent when ``show_progress()`` is off."""
+    from tqdm import tqdm
+
+    # Plain text tqdm, not the widget one: it renders in JupyterLab, a terminal and a stored notebook alike.
+    return tqdm(iterable, desc=desc, total=total, disable=not show_progress(), mininterval=1.0)
 
 
 def seed_everything(seed: int) -> "torch.Generator":

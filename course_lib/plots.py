@@ -2,7 +2,7 @@
 
 Each function draws on a new figure, labels its axes with units, and returns
 the figure. ``save`` writes it where the runner collects figures for the
-report (``$COURSE_FIGURES``, else ``build/figures``).
+report (``$COURSE_FIGURES``, else ``build/figures``) and returns nothing.
 """
 
 from __future__ import annotations
@@ -19,12 +19,15 @@ def figures_dir() -> Path:
     return Path(os.environ.get("COURSE_FIGURES", Path("build") / "figures"))
 
 
-def save(fig: Figure, name: str) -> Path:
-    """Save ``fig`` as ``<figures dir>/<name>.png`` and return the path."""
+def save(fig: Figure, name: str) -> None:
+    """Save ``fig`` as ``<figures dir>/<name>.png``, where the runner's report finds it.
+
+    It returns nothing, so that as a cell's last line it leaves no ``PosixPath(...)``
+    under the figure (Jupyter shows the figure itself once, at the end of the cell).
+    """
     path = figures_dir() / f"{name}.png"
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
-    return path
 
 
 def curves(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], title: str, xlabel: str, ylabel: str,
@@ -45,8 +48,11 @@ def curves(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], title:
     return fig
 
 
-def stacked_bars(parts: Mapping[str, Mapping[str, float]], title: str, ylabel: str = "MB") -> Figure:
-    """One stacked bar per configuration: ``{config: {part: value}}`` (e.g. params/grads/optimizer/activations)."""
+def stacked_bars(parts: Mapping[str, Mapping[str, float]], title: str, ylabel: str) -> Figure:
+    """One stacked bar per configuration: ``{config: {part: value}}`` (e.g. params/grads/optimizer/activations).
+
+    ``ylabel`` names the unit, and it must match the divisor: "MiB" for 2**20 bytes, "MB" for 1e6.
+    """
     fig, ax = plt.subplots(figsize=(6, 3.8))
     configs = list(parts)
     names = list(dict.fromkeys(k for p in parts.values() for k in p))

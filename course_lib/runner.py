@@ -3,21 +3,112 @@
 Each notebook runs in its own kernel through papermill with ``PROFILE``
 injected, writes its claims to ``<out>/results/<stem>.jsonl`` and its figures
 to ``<out>/figures/<stem>/``. Afterwards ``<out>/results.json`` holds every
-claim and ``<out>/report.md`` a readable report with the plots.
+claim and ``<out>/report.md`` a readable report with the plots. While a
+notebook runs, a line says which cell it is in and for how long (``CellProgress``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
+import threading
 import time
 from pathlib import Path
+from typing import TextIO
 
 from course_lib import report
 from course_lib.env import check_profile
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
+
+# Kernels get CurveZMQ keys from the kernel manager when their kernelspec says it supports them (ipykernel's
+# does): the connection to the kernel is encrypted, and ipykernel no longer warns "Kernel is running over TCP
+# without encryption" at every start. A kernelspec without support starts as before, unencrypted.
+KERNEL_MANAGER_CONFIG = {"KernelManager": {"transport_encryption": "auto"}}
+# Kernels of these profiles run one intra-op thread unless OMP_NUM_THREADS is set. On a shared or busy machine
+# two threads wait on each other at every operation: on a loaded 2-core machine the smoke models ran 5-100x
+# slower, and chapter 03's `cpu` training cell took 5 min 14 s with two threads against 12 s with one. The `cpu`
+# sizes are chosen to fit 5 minutes a notebook on one core, so one thread keeps that promise on any machine.
+ONE_THREAD_PROFILES = ("smoke", "cpu")
+# Without a terminal (CI logs, `make course | tee`), a progress line at most this often, in seconds.
+LOG_EVERY_S = 30.0
+
+
+def duration(seconds: float) -> str:
+    """``45 s``, ``3 min 10 s``, ``1 h 02 min``: a time a reader takes in at a glance."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
+class CellProgress:
+    """The line ``course run`` prints while a notebook runs: ``[course] 03_x: cell 12/24, 1 min 05 s``.
+
+    On a terminal, one line redrawn in place every second. Elsewhere (a CI log,
+    a file), a new line at most every ``every`` seconds: when a cell finishes, and
+    while a long cell still runs, so the log is readable and still shows that work
+    goes on. Its methods are nbclient's cell hooks.
+    """
+
+    def __init__(self, name: str, stream: TextIO | None = None, every: float | None = None) -> None:
+        self.name, self.stream, self.every = name, stream or sys.stdout, every or LOG_EVERY_S
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.total = self.current = 0
+        self.start = self.cell_start = self.last_line = time.perf_counter()
+        self._lock, self._stop = threading.Lock(), threading.Event()
+        self._ticker = threading.Thread(target=self._tick, daemon=True)
+
+    def notebook_start(self, notebook, **_) -> None:
+        self.total = sum(1 for c in notebook.cells if c.cell_type == "code" and c.source.strip())
+        self.start = self.last_line = time.perf_counter()
+        self._ticker.start()
+
+    def cell_execute(self, **_) -> None:  # a code cell is sent to the kernel
+        with self._lock:
+            self.current += 1
+            self.cell_start = time.perf_counter()
+        if self.tty:
+            self._show(self._status())
+
+    def cell_executed(self, **_) -> None:
+        now = time.perf_counter()
+        if self.tty:
+            self._show(self._status())
+        elif now - self.last_line >= self.every:
+            self._show(f"{self._status()} ({duration(now - self.cell_start)} for the last cell)")
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._ticker.is_alive():
+            self._ticker.join(timeout=5)
+        if self.tty:
+            self._write("\r\x1b[K")  # clear the status line for the summary that follows
+
+    def _status(self) -> str:
+        return (f"[course] {self.name}: cell {self.current}/{self.total}, "
+                f"{duration(time.perf_counter() - self.start)}")
+
+    def _tick(self) -> None:
+        while not self._stop.wait(1.0 if self.tty else self.every / 6):
+            now = time.perf_counter()
+            if self.tty:
+                self._show(self._status())
+            elif now - self.last_line >= self.every:
+                self._show(f"{self._status()} (this cell running for {duration(now - self.cell_start)})")
+
+    def _show(self, text: str) -> None:
+        self._write(f"\r{text}\x1b[K" if self.tty else text + "\n")
+        self.last_line = time.perf_counter()
+
+    def _write(self, text: str) -> None:
+        with self._lock:
+            self.stream.write(text)
+            self.stream.flush()
 
 
 def find_notebooks(names: list[str] | None = None) -> list[Path]:
@@ -41,19 +132,23 @@ def find_notebooks(names: list[str] | None = None) -> list[Path]:
 
 
 # Seconds one cell may run before the run is stopped (papermill's execution_timeout): enough for the
-# longest experiment cell on a slow or shared machine (chapter 04 at `cpu`: 67 minutes measured on a busy
-# 2-core machine, about 25 estimated on an idle one), short enough that a hung cell ends the run.
+# longest experiment cell on a slow or shared machine (a notebook at `cpu` is sized for 5 minutes on two idle
+# cores, but a loaded machine ran cells 10-20x slower, chapter 02's longest for 28 minutes), short enough that
+# a hung cell ends the run.
 CELL_TIMEOUT = {"smoke": 900, "cpu": 3 * 3600, "gpu": 3600}
 
 
-def execute(notebook: Path, profile: str, out: Path, timeout: int | None = None) -> dict:
+def execute(notebook: Path, profile: str, out: Path, timeout: int | None = None,
+            progress: TextIO | None = None) -> dict:
     """Run one notebook with papermill; return ``{"notebook", "seconds", "results", "error"}``.
 
-    ``timeout`` is the limit per cell in seconds (default: ``CELL_TIMEOUT[profile]``).
+    ``timeout`` is the limit per cell in seconds (default: ``CELL_TIMEOUT[profile]``);
+    ``progress`` is where the cell-by-cell line goes (default: stdout).
     """
     import logging
 
     import papermill as pm
+    from traitlets.config import Config
 
     # papermill tries to parse the parameters cell line by line and warns on multi-line size tables: harmless
     logging.getLogger("papermill.translators").setLevel(logging.ERROR)
@@ -71,20 +166,22 @@ def execute(notebook: Path, profile: str, out: Path, timeout: int | None = None)
         "COURSE_RESULTS": str(results_file), "COURSE_FIGURES": str(out / "figures" / stem),
         "COURSE_PROFILE": profile, "COURSE_PROGRESS": "0", "PYDEVD_DISABLE_FILE_VALIDATION": "1",
     })
-    if profile == "smoke" and "OMP_NUM_THREADS" not in env_before:
-        # smoke runs in CI, on shared machines: there two intra-op threads wait on each other and made the
-        # tiny smoke models 5-100x slower (measured on a loaded 2-core machine); one thread is as fast when idle.
+    if profile in ONE_THREAD_PROFILES and "OMP_NUM_THREADS" not in env_before:
         os.environ["OMP_NUM_THREADS"] = "1"
     start, error = time.perf_counter(), None
+    cells = CellProgress(stem, progress)
     try:
         pm.execute_notebook(
             str(notebook), str(out / "notebooks" / notebook.name), parameters={"PROFILE": profile},
             cwd=str(notebook.parent), kernel_name="python3", progress_bar=False,
-            execution_timeout=timeout, log_output=False,
+            execution_timeout=timeout, log_output=False, config=Config(KERNEL_MANAGER_CONFIG),
+            on_notebook_start=cells.notebook_start, on_cell_execute=cells.cell_execute,
+            on_cell_executed=cells.cell_executed,
         )
     except Exception as exc:  # papermill raises PapermillExecutionError with the failing cell
         error = f"{type(exc).__name__}: {exc}"
     finally:
+        cells.close()
         os.environ.clear()
         os.environ.update(env_before)
     return {"notebook": notebook.name, "seconds": round(time.perf_counter() - start, 1),
@@ -96,10 +193,12 @@ def write_report(runs: list[dict], profile: str, out: Path) -> Path:
     (out / "results.json").write_text(json.dumps(
         {"profile": profile, "notebooks": {r["notebook"]: r for r in runs}}, indent=1))
     lines = [f"# Course results (profile `{profile}`)", "",
-             "| notebook | seconds | claims | status |", "|---|---|---|---|"]
+             "| notebook | time | claims | status |", "|---|---|---|---|"]
     for r in runs:
-        lines.append(f"| {r['notebook']} | {r['seconds']} | {len(r['results'])} | "
+        lines.append(f"| {r['notebook']} | {duration(r['seconds'])} | {len(r['results'])} | "
                      f"{'FAILED' if r['error'] else 'ok'} |")
+    lines.append(f"| all | {duration(sum(r['seconds'] for r in runs))} | "
+                 f"{sum(len(r['results']) for r in runs)} | {sum(bool(r['error']) for r in runs)} failed |")
     for r in runs:
         lines += ["", f"## {r['notebook']}", ""]
         if r["error"]:
@@ -115,15 +214,45 @@ def write_report(runs: list[dict], profile: str, out: Path) -> Path:
     return path
 
 
+def busy_note() -> str | None:
+    """A warning when other work already loads the CPU (the README's times are for idle cores), else None."""
+    if not hasattr(os, "getloadavg"):  # Windows
+        return None
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load < 0.75 * cores:
+        return None
+    return (f"[course] note: the CPU is already busy (load average {load:.1f} on {cores} cores): notebooks will "
+            "take longer than the README's times, and timings will be noisier")
+
+
 def run(names: list[str] | None, profile: str, out: Path, cell_timeout: int | None = None) -> list[dict]:
     """Execute the chosen notebooks in order and write the report; return one summary per notebook."""
+    notebooks = find_notebooks(names)
+    note = busy_note()
+    if note:
+        print(note, flush=True)
     runs = []
-    for nb in find_notebooks(names):
-        print(f"[course] running {nb.name} at profile {profile} ...", flush=True)
+    for i, nb in enumerate(notebooks, 1):
+        print(f"[course] {nb.stem} ({i}/{len(notebooks)}) at profile {profile} ...", flush=True)
         r = execute(nb, profile, out, cell_timeout)
         status = "FAILED: " + r["error"].splitlines()[0][:300] if r["error"] else "ok"
-        print(f"[course]   {r['seconds']:.0f} s, {len(r['results'])} claims recorded, {status}", flush=True)
+        print(f"[course] {nb.stem}: {status}, {duration(r['seconds'])}, {len(r['results'])} claims recorded",
+              flush=True)
         runs.append(r)
     report_path = write_report(runs, profile, out)
+    print(summary(runs, profile))
     print(f"[course] report: {report_path}")
     return runs
+
+
+def summary(runs: list[dict], profile: str) -> str:
+    """The closing table of ``course run``: each notebook's time and status, and the total."""
+    width = max((len(Path(r["notebook"]).stem) for r in runs), default=10)
+    total = sum(r["seconds"] for r in runs)
+    failed = sum(bool(r["error"]) for r in runs)
+    lines = [f"[course] {len(runs)} notebook(s) at profile {profile} in {duration(total)}"
+             + (f", {failed} FAILED" if failed else ", all ok") + ":"]
+    for r in runs:
+        lines.append(f"[course]   {Path(r['notebook']).stem:<{width}}  {duration(r['seconds']):>12}  "
+                     f"{'FAILED' if r['error'] else 'ok'}")
+    return "\n".join(lines)

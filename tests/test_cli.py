@@ -6,7 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import io
+
+import nbformat
 import pytest
+import torch
 
 from course_lib import cli, runner
 
@@ -35,31 +39,89 @@ def test_find_notebooks_by_prefix():
     assert [p.name for p in runner.find_notebooks(["01"])] == ["01_memory_anatomy.ipynb"]
 
 
-def _tiny_notebook(path: Path, code: str) -> Path:
-    """A notebook with a parameters cell and one code cell."""
-    import nbformat
-
+def _tiny_notebook(path: Path, code: str, *more: str) -> Path:
+    """A notebook with a parameters cell and code cells."""
     book = nbformat.v4.new_notebook()
     book.cells = [nbformat.v4.new_code_cell("PROFILE = None", metadata={"tags": ["parameters"]}),
-                  nbformat.v4.new_code_cell(code)]
+                  *(nbformat.v4.new_code_cell(c) for c in (code, *more))]
     book.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(book, path)
     return path
 
 
-def test_runner_writes_results_and_report(tmp_path):
-    nb = _tiny_notebook(tmp_path / "00_tiny.ipynb", "from course_lib.report import record\nrecord('ch99/profile', PROFILE)\n"
+def test_runner_writes_results_and_report(tmp_path, monkeypatch, capfd):
+    nb = _tiny_notebook(tmp_path / "00_tiny.ipynb", "import time\ntime.sleep(1.5)",
+                        "from course_lib.report import record\nrecord('ch99/profile', PROFILE)\n"
                         "import os\nrecord('ch99/omp', os.environ.get('OMP_NUM_THREADS'))")
-    runs = []
-    result = runner.execute(nb, "smoke", tmp_path / "out")
-    runs.append(result)
+    monkeypatch.setattr(runner, "LOG_EVERY_S", 0.5)  # a progress line at least every half second
+    log = io.StringIO()  # not a terminal: whole lines, as in a CI log
+    result = runner.execute(nb, "smoke", tmp_path / "out", progress=log)
     assert result["error"] is None
     assert result["results"]["ch99/profile"] == "smoke"  # papermill injected the profile
     if "OMP_NUM_THREADS" not in os.environ:
         assert result["results"]["ch99/omp"] == "1"  # smoke kernels run one intra-op thread
-    runner.write_report(runs, "smoke", tmp_path / "out")
+    lines = log.getvalue().splitlines()
+    assert "\r" not in log.getvalue() and lines, log.getvalue()
+    assert any("[course] 00_tiny: cell 3/4, " in line and "this cell running for" in line for line in lines)
+    assert "without encryption" not in capfd.readouterr().err  # the kernel's connection is encrypted
+    # the cell ending in record(...) shows its printed line once, and no echoed value after it
+    cell = nbformat.read(tmp_path / "out" / "notebooks" / "00_tiny.ipynb", as_version=4).cells[-1]
+    assert [o["output_type"] for o in cell.outputs] == ["stream"], cell.outputs
+    runner.write_report([result], "smoke", tmp_path / "out")
     assert json.loads((tmp_path / "out" / "results.json").read_text())["notebooks"]["00_tiny.ipynb"]["results"]
     assert "`ch99/profile`" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_progress_line_on_a_terminal():
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    screen = Terminal()
+    line = runner.CellProgress("04_normalization", screen)
+    line.notebook_start(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1"),
+                                                        nbformat.v4.new_markdown_cell("text"),
+                                                        nbformat.v4.new_code_cell("2")]))
+    line.cell_execute()
+    line.cell_executed()
+    line.cell_execute()
+    line.close()
+    out = screen.getvalue()
+    assert "\n" not in out  # one line, redrawn in place
+    assert "\r[course] 04_normalization: cell 1/2, 0 s\x1b[K" in out and "cell 2/2" in out
+    assert out.endswith("\r\x1b[K")  # cleared for the summary line
+
+
+def test_summary_and_durations():
+    runs = [{"notebook": "00_start_here.ipynb", "seconds": 9.6, "error": None},
+            {"notebook": "04_normalization.ipynb", "seconds": 190.0, "error": "boom"}]
+    text = runner.summary(runs, "cpu")
+    assert text.splitlines()[0] == "[course] 2 notebook(s) at profile cpu in 3 min 20 s, 1 FAILED:"
+    assert "00_start_here" in text and "10 s  ok" in text and "3 min 10 s  FAILED" in text
+    assert [runner.duration(s) for s in (0.4, 59.6, 61, 3600 + 125)] == ["0 s", "1 min 00 s", "1 min 01 s", "1 h 02 min"]
+
+
+def test_gpu_profile_without_cuda_stops_course_run_and_the_notebook(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["run", "--profile", "gpu", "00"]) == 2  # before any kernel starts
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    monkeypatch.undo()
+    # PROFILE = "gpu" in a notebook: the kernel sees the real hardware
+    nb = _tiny_notebook(tmp_path / "00_gpu.ipynb", "from course_lib import env\nenv.pick_profile(PROFILE)")
+    result = runner.execute(nb, "gpu", tmp_path / "out")
+    if torch.cuda.is_available():
+        assert result["error"] is None
+    else:
+        assert "needs a CUDA GPU" in result["error"] and "Choose 'cpu'" in result["error"]
+
+
+def test_lab_command(monkeypatch):
+    for uid, as_root in ((0, True), (1000, False)):
+        monkeypatch.setattr(os, "geteuid", lambda uid=uid: uid, raising=False)
+        argv = cli.lab_argv(ROOT, ["--port", "8899"])
+        assert argv[1:3] == ["-m", "jupyterlab"] and f"--ServerApp.root_dir={ROOT}" in argv
+        assert "--KernelManager.transport_encryption=auto" in argv and argv[-2:] == ["--port", "8899"]
+        assert ("--allow-root" in argv) == as_root  # Jupyter refuses to start as root without it
 
 
 def test_runner_reports_a_failing_notebook(tmp_path):

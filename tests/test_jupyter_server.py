@@ -1,4 +1,5 @@
-"""A real JupyterLab server on localhost: it lists the course and runs code in a kernel through its REST API."""
+"""A real JupyterLab server on localhost, started as `course lab` starts it: it lists the course and runs code in
+a kernel through its REST API, and the kernel's connection is encrypted (no "running over TCP without encryption")."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from pathlib import Path
 import pytest
 import requests
 
+from course_lib import cli
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -27,8 +30,9 @@ def _free_port() -> int:
 @pytest.fixture()
 def lab(tmp_path):
     port, token = _free_port(), uuid.uuid4().hex
-    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
-           f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={ROOT}", "--allow-root"]
+    cmd = cli.lab_argv(ROOT, ["--no-browser", f"--port={port}", "--ip=127.0.0.1", f"--IdentityProvider.token={token}"])
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        assert "--allow-root" in cmd  # else Jupyter would refuse to start here
     env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"), JUPYTER_CONFIG_DIR=str(tmp_path / "cfg"))
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "lab.log", "w"), env=env,
                             start_new_session=True)
@@ -44,7 +48,7 @@ def lab(tmp_path):
             if proc.poll() is not None or time.time() > deadline:
                 pytest.fail("jupyter lab did not start:\n" + (tmp_path / "lab.log").read_text()[-2000:])
             time.sleep(0.5)
-        yield base, headers, port, token
+        yield base, headers, port, token, tmp_path / "lab.log"
     finally:
         try:
             requests.post(f"{base}/api/shutdown", headers=headers, timeout=5)
@@ -82,7 +86,7 @@ async def _execute(port: int, token: str, kernel_id: str, code: str) -> str:
 
 
 def test_lab_lists_the_course_and_runs_a_kernel(lab):
-    base, headers, port, token = lab
+    base, headers, port, token, log = lab
     listing = requests.get(f"{base}/api/contents/notebooks", headers=headers, timeout=10).json()
     names = {item["name"] for item in listing["content"]}
     assert "00_start_here.ipynb" in names and "01_memory_anatomy.ipynb" in names
@@ -91,5 +95,6 @@ def test_lab_lists_the_course_and_runs_a_kernel(lab):
         out = asyncio.run(_execute(port, token, kernel["id"],
                                    "from course_lib import env\nprint('profile', env.check_profile('smoke'), 6 * 7)"))
         assert "profile smoke 42" in out
+        assert "CurveZMQ" not in log.read_text() and "without encryption" not in log.read_text()
     finally:
         requests.delete(f"{base}/api/kernels/{kernel['id']}", headers=headers, timeout=10)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import notebook_claims
+from conftest import PROFILE, notebook_claims
 
 TOL = 1e-6  # float32 rounding of sums taken in another order; the notebook measures ~1e-8
-K = 4       # micro-batches per step in the smoke, cpu profiles (the notebook's SIZE_TABLE)
+K = {"smoke": 4, "cpu": 4, "gpu": 8}[PROFILE]  # micro-batches per step (the notebook's SIZE_TABLE)
 
 
 @pytest.fixture(scope="module")

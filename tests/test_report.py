@@ -1,4 +1,5 @@
 import json
+import sys
 
 import pytest
 import torch
@@ -21,3 +22,19 @@ def test_record_key_needs_a_chapter(tmp_path, monkeypatch):
     monkeypatch.setenv("COURSE_RESULTS", str(tmp_path / "r.jsonl"))
     with pytest.raises(ValueError, match="ch03/name"):
         report.record("loss", 1.0)
+
+
+def test_record_as_a_cells_last_line_is_printed_once(tmp_path, monkeypatch, capsys):
+    # Jupyter runs a cell's last expression in "single" mode and echoes its value through sys.displayhook:
+    # record must hand it nothing there, and the value everywhere else.
+    monkeypatch.setenv("COURSE_RESULTS", str(tmp_path / "r.jsonl"))
+    shown: list = []
+    monkeypatch.setattr(sys, "displayhook", shown.append)
+    cell: dict = {"record": report.record}
+    exec(compile("record('ch01/a', 1.5)", "<cell>", "single"), cell)
+    exec(compile("x = record('ch01/b', 2.5)", "<cell>", "single"), cell)
+    exec(compile("print(record('ch01/c', 3))", "<cell>", "single"), cell)
+    assert shown == [None, None] and cell["x"] == 2.5  # no echo; print() got the value
+    assert capsys.readouterr().out.splitlines() == ["recorded ch01/a = 1.5", "recorded ch01/b = 2.5",
+                                                    "recorded ch01/c = 3", "3"]
+    assert report.load(tmp_path / "r.jsonl") == {"ch01/a": 1.5, "ch01/b": 2.5, "ch01/c": 3}
