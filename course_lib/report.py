@@ -7,14 +7,11 @@ notebook; the tests read those files and assert the claims.
 
 from __future__ import annotations
 
-import dis
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 DEFAULT_RESULTS = Path("build") / "results" / "interactive.jsonl"
@@ -38,31 +35,12 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _result_is_echoed(frame: FrameType | None) -> bool:
-    """Whether the caller hands our return value straight to ``sys.displayhook``.
+def record(key: str, value: Any, note: str = "") -> None:
+    """Append one claim to the results file and print it.
 
-    That is what Jupyter (and Python's prompt) does with the last expression of a
-    cell: it compiles it in "single" mode, where the call is followed by
-    PRINT_EXPR (CALL_INTRINSIC_1 INTRINSIC_PRINT from Python 3.12). Reading the
-    caller's next instruction costs a few microseconds; when it cannot be read,
-    the answer is no.
-    """
-    if frame is None:
-        return False
-    try:
-        following = next(i for i in dis.get_instructions(frame.f_code) if i.offset > frame.f_lasti)
-    except (StopIteration, ValueError, TypeError):
-        return False
-    return following.opname == "PRINT_EXPR" or (following.opname == "CALL_INTRINSIC_1"
-                                                 and following.argrepr == "INTRINSIC_PRINT")
-
-
-def record(key: str, value: Any, note: str = "") -> Any:
-    """Append one claim to the results file, print it, and return ``value`` unchanged.
-
-    As the last line of a notebook cell it returns None instead: Jupyter would
-    echo the value a second time under the printed line, and nothing else can
-    use it there. ``x = record(...)`` still gets the value.
+    It returns nothing on purpose: as the last line of a notebook cell a
+    returned value would be echoed a second time under the printed line.
+    Keep the value in a variable of your own when later code needs it.
     """
     if "/" not in key:
         raise ValueError(f"record key {key!r} should look like 'ch03/name' (chapter, slash, name)")
@@ -72,7 +50,6 @@ def record(key: str, value: Any, note: str = "") -> Any:
     with path.open("a") as f:
         f.write(json.dumps(entry) + "\n")
     print(f"recorded {key} = {entry['value']}" + (f"  ({note})" if note else ""))
-    return None if _result_is_echoed(sys._getframe(1)) else value
 
 
 def load(path: str | Path) -> dict[str, Any]:
