@@ -1,33 +1,25 @@
 """Plan a training configuration for a memory budget (chapter 09, the capstone): measure, predict, search.
 
-For every combination of precision (chapter 05), micro-batch with gradient
-accumulation (chapters 02-03), activation checkpointing (chapter 05) and ZeRO
-stage (chapter 08), predict the peak bytes on one device and the step time;
-keep the fastest that fits. The module reads in that order:
+For every combination of precision (chapter 05), micro-batch with gradient accumulation (chapters 02-03),
+activation checkpointing (chapter 05) and ZeRO stage (chapter 08), predict the peak bytes per device and the
+step time; keep the fastest that fits. The module reads in that order:
 
-1. **measure**: a ``Config`` runs as one ``train_step`` and ``measure_peak``
-   measures it; ``calibrate`` measures a model once, for the predictions;
-2. **predict**: ``predict_peak``, ``comm_bytes`` and ``predict_step_time``,
-   arithmetic on the measurements;
-3. **search**: ``plan`` weighs every candidate, keeps the fastest that fits and says why.
+1. **measure**: ``train_step`` runs a ``Config``, ``measure_peak`` measures it, ``calibrate`` measures a model once;
+2. **predict**: ``predict_peak``, ``comm_bytes``, ``predict_step_time``: arithmetic on the measurements;
+3. **search**: ``plan`` weighs every candidate, keeps the fastest that fits, and says why.
 
-Memory: a step peaks inside the forward/backward pass (states + saved
-activations + the running op's temporaries: affine in the micro-batch ``m``)
-or inside the optimizer step (states + Adam's temporaries: constant). A line
-through whole-step peaks at ``m = 1, 2`` sees the optimizer moment and gets
-the slope wrong (a maximum of two lines is not a line), so the two moments are
-measured apart: ``fb`` with the gradients allocated, at ``m = 1, 2``, exact
-since each term in it is affine in ``m``. Checkpointing is derived from the
-bytes one block saves (Chen et al. 2016: ``k - 1`` segment inputs kept, at
-most ``ceil(n/k)`` blocks rebuilt at once); ZeRO divides the states
-(``memory.zero_memory``) and adds what is in flight (chapter 08).
-
-Time is relative, since timings on a busy machine are noisy:
-``A (alpha + beta m)(1 + recompute) + update + communication / bandwidth``.
+Memory: a step peaks in the forward/backward pass (states + saved activations + the running op's temporaries:
+affine in the micro-batch ``m``) or in the optimizer step (states + Adam's temporaries: constant). A line through
+whole-step peaks at ``m = 1, 2`` sees the optimizer moment (a maximum of two lines is not a line), so the two are
+measured apart: ``fb`` with the gradients allocated, at ``m = 1, 2``. Checkpointing follows from the bytes one
+block saves (Chen et al. 2016: ``k - 1`` segment inputs kept, at most ``ceil(n/k)`` blocks rebuilt at once); ZeRO
+divides the states (``memory.zero_memory``) and adds what is in flight (chapter 08). Time is relative, since
+timings on a busy machine are noisy: ``A (alpha + beta m)(1 + recompute) + update + communication / bandwidth``.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -46,14 +38,13 @@ from course_lib.models import lm_loss
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 BatchFn = Callable[[int], "tuple[torch.Tensor, torch.Tensor]"]
 MiB = 2**20
-# A backward costs about two forwards (6N FLOPs per token, 2N forward + 4N backward;
-# Kaplan et al. 2020, section 2.1): rerunning a forward costs a third of a step.
+# A backward costs about two forwards (6N FLOPs per token, 2N forward + 4N backward; Kaplan et al. 2020,
+# section 2.1): rerunning a forward costs a third of a step.
 FORWARD_SHARE = 1 / 3
-# One PCIe 4.0 x16 link moves about 25 GB/s in practice (nominal 32 GB/s); pass
-# your interconnect's measured all-reduce bandwidth instead (chapter 06).
+# One PCIe 4.0 x16 link moves about 25 GB/s in practice (nominal 32 GB/s); pass your interconnect's measured
+# all-reduce bandwidth instead (chapter 06).
 DEFAULT_BANDWIDTH = 25e9
-# The prediction's error measured in chapter 09 is a few percent either way, and
-# allocators fragment: plan for 95% of the budget.
+# The prediction's error measured in chapter 09 is a few percent either way, and allocators fragment.
 DEFAULT_HEADROOM = 0.05
 TIMING_MAX_MICRO = 64  # larger timed passes would slow planning and add little
 
@@ -88,9 +79,8 @@ def autocast(precision: str, device: torch.device | str):
 def checkpointing(model: nn.Module, segments: int) -> Iterator[nn.Module]:
     """Inside the block, ``model.blocks`` runs checkpointed in ``segments`` segments (1: unchanged); restored after.
 
-    The model's own forward calls ``self.blocks``, so swapping that one child
-    for a checkpointed wrapper of the same blocks (same parameters) changes
-    the step and nothing else, without copying the model.
+    The model's forward calls ``self.blocks``: swapping that one child for a checkpointed wrapper of the same
+    blocks (same parameters) changes the step and nothing else, and copies nothing.
     """
     if segments == 1:
         yield model
@@ -127,8 +117,8 @@ def measure_peak(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, target
                  optimizer: torch.optim.Optimizer, config: Config) -> int:
     """Measured peak bytes of one ``train_step``, counted as ``predict_peak`` counts (states + batch + transients).
 
-    Call it after a first step (Adam makes its state then). The gradients are freed
-    first: the CPU profiler cannot see the free of a tensor made before it started.
+    Call it after a first step (Adam makes its state then). The gradients are freed first: the CPU profiler
+    cannot see the free of a tensor made before it started.
     """
     optimizer.zero_grad(set_to_none=True)
     resident = (memory.param_bytes(model) + memory.optimizer_state_bytes(optimizer)
@@ -161,26 +151,24 @@ class Measurements:
 
 @contextmanager
 def _left_as_it_was(model: nn.Module) -> Iterator[None]:
-    """Restore the mode, every buffer, every module's extra state (MABN's step) and the gradients afterwards."""
-    was_training = model.training
-    buffers = {k: v.clone() for k, v in model.named_buffers()}  # BatchNorm's running statistics and counts
-    extra = {name: m.get_extra_state() for name, m in model.named_modules()
-             if type(m).get_extra_state is not nn.Module.get_extra_state}
-    grads = [(p, p.grad) for p in model.parameters()]
+    """Restore the mode, the buffers, every module's extra state (MABN's step) and the gradients afterwards."""
+    mode, grads = model.training, [(p, p.grad) for p in model.parameters()]
+    buffers = [(v, v.clone()) for v in model.buffers()]  # BatchNorm's running statistics and counts
+    extra = [(m, copy.deepcopy(m.get_extra_state())) for m in model.modules()
+             if type(m).get_extra_state is not nn.Module.get_extra_state]
     for p, _ in grads:
         p.grad = None
     try:
         yield
     finally:
         with torch.no_grad():
-            for k, v in model.named_buffers():
-                v.copy_(buffers[k])
-        for name, m in model.named_modules():
-            if name in extra:
-                m.set_extra_state(extra[name])
+            for v, saved in buffers:
+                v.copy_(saved)
+        for m, state in extra:
+            m.set_extra_state(state)
         for p, g in grads:
             p.grad = g
-        model.train(was_training)
+        model.train(mode)
 
 
 def default_batch(model: nn.Module, sample_shape: tuple[int, ...],
@@ -212,15 +200,13 @@ def calibrate(model: nn.Module, make_batch: BatchFn, loss_fn: LossFn, device: to
               bucket_cap_mb: float = DEFAULT_BUCKET_MB) -> Measurements:
     """Measure ``model`` in place on ``device`` and leave it as it was (Adam with ``lr=0`` moves no weight).
 
-    Memory at micro-batches 1 and 2 (each part is affine in the micro-batch, so
-    two points give exact lines), what one block saves for backward, the time of
-    a pass at 1 and at the largest power of two up to ``max_micro`` whose
-    predicted peak fits ``budget`` (in every precision), the optimizer step,
-    and the share of the forward FLOPs spent in the blocks (what checkpointing reruns).
+    Memory at micro-batches 1 and 2 (each part is affine in the micro-batch: two points give exact lines), what
+    one block saves for backward, the time of a pass at 1 and at the largest power of two up to ``max_micro``
+    whose predicted peak fits ``budget``, the optimizer step, and the share of the forward FLOPs in the blocks.
     """
     blocks = model.blocks if isinstance(getattr(model, "blocks", None), nn.Sequential) else nn.Sequential()
     x1, y1 = make_batch(1)
-    fb, blk, bnd, passes = {}, {}, {}, {}
+    fb, blk, bnd, passes, block_in = {}, {}, {}, {}, {}
     with _left_as_it_was(model):
         model.train()
         opt = torch.optim.Adam(model.parameters(), lr=0.0)  # lr=0: the same state and temporaries, no update
@@ -236,14 +222,14 @@ def calibrate(model: nn.Module, make_batch: BatchFn, loss_fn: LossFn, device: to
                 x, y = make_batch(m)
                 peaks.append(memory.peak_bytes(lambda: fwd_bwd(x, y), device))
                 if len(blocks):  # what one block saves, and its output (a segment boundary)
-                    h = []
-                    hook = blocks.register_forward_pre_hook(lambda mod, args: h.append(args[0].detach()))
+                    hook = blocks.register_forward_pre_hook(lambda mod, args: block_in.update({m: args[0].detach()}))
                     with torch.no_grad():
                         model(x)
                     hook.remove()
                     with autocast(prec, device):
-                        saved.append(memory.saved_activation_bytes(lambda: blocks[0](h[0]), blocks[0].parameters()))
-                        bnd[prec] = memory.tensor_bytes(blocks[0](h[0])) / m
+                        saved.append(memory.saved_activation_bytes(lambda: blocks[0](block_in[m]),
+                                                                   blocks[0].parameters()))
+                        bnd[prec] = memory.tensor_bytes(blocks[0](block_in[m])) / m
             fb[prec] = _line(1, peaks[0], 2, peaks[1])
             blk[prec] = _line(1, saved[0], 2, saved[1]) if saved else (0.0, 0.0)
             passes[prec] = fwd_bwd
@@ -261,13 +247,10 @@ def calibrate(model: nn.Module, make_batch: BatchFn, loss_fn: LossFn, device: to
         best = fastest_times(steps, repeats=3)  # in turns, fastest of three: the least disturbed run
         share = 0.0
         if len(blocks):  # the FLOP share of the blocks: what checkpointing reruns
-            h = []
-            hook = blocks.register_forward_pre_hook(lambda mod, args: h.append(args[0]))
             with torch.no_grad(), FlopCounterMode(display=False) as total_flops:
                 model(x1)
-            hook.remove()
             with torch.no_grad(), FlopCounterMode(display=False) as block_flops:
-                blocks(h[0])
+                blocks(block_in[1])
             share = block_flops.get_total_flops() / max(total_flops.get_total_flops(), 1)
         counts = dict(param_bytes=memory.param_bytes(model), grad_bytes=memory.grad_bytes(model),
                       optimizer_bytes=memory.optimizer_state_bytes(opt))
@@ -292,12 +275,10 @@ def calibrate(model: nn.Module, make_batch: BatchFn, loss_fn: LossFn, device: to
 def predict_peak(meas: Measurements, config: Config, world_size: int = 1) -> dict:
     """Predicted peak bytes on one rank: ``params, grads, optimizer, batch, transient, total`` and ``where``.
 
-    ``transient`` is the larger of the forward/backward part (activations and
-    temporaries) and the optimizer step's temporaries; ``where`` names it. The
-    forward/backward part assumes the gradients exist, as they do from the second
-    micro-batch on; a single micro-batch (no accumulation) is overstated by up to
-    its gradients, never understated: at any moment of its backward pass some of
-    them exist, and no more activations than at the start.
+    ``transient`` is the larger of the forward/backward part (activations, temporaries, what ZeRO has in flight)
+    and the optimizer step's temporaries; ``where`` names it. The forward/backward part assumes the gradients
+    exist, as they do from the second micro-batch on: a single micro-batch is overstated by up to its gradients,
+    never understated (at any moment of its backward some exist, and no more activations than at the start).
     """
     n, k, m, s, N = meas.n_blocks, config.segments, config.micro_batch, config.zero_stage, world_size
     c, d = meas.fb[config.precision]
@@ -313,8 +294,8 @@ def predict_peak(meas: Measurements, config: Config, world_size: int = 1) -> dic
     in_flight = 0.0
     if N > 1 and s == 2:  # ZeroOptimizer: one bucket's full gradient (plus gloo's copy of it) and its slice
         in_flight = meas.bucket_bytes * (1 + meas.gloo + 1 / N)
-    elif N > 1 and s == 3:  # FSDP2: one block gathered, the next one prefetched, one block's full gradient
-        in_flight = 3 * meas.unit_bytes
+    elif N > 1 and s == 3:  # FSDP2: one block gathered, the next prefetched, one block's gradient (and gloo's copy)
+        in_flight = meas.unit_bytes * (3 + meas.gloo)
     opt_tmp = meas.optimizer_tmp_bytes / (N if s >= 1 else 1)  # the update runs on this rank's shard
     parts = dict(**states, batch=meas.batch_bytes_per_sample * m * config.accumulation_steps,
                  transient=max(fb + in_flight, opt_tmp))
@@ -327,13 +308,10 @@ def predict_peak(meas: Measurements, config: Config, world_size: int = 1) -> dic
 def comm_bytes(param_bytes: int, config: Config, world_size: int) -> float:
     """Bytes one rank sends per optimizer step, in ring collectives (chapter 08), accumulation included.
 
-    DDP (accumulating locally under ``no_sync``) and ZeRO-1 send twice the ring
-    share ``(N-1)/N x P`` once per step. Sharded gradients cannot accumulate
-    locally: ZeRO-2 reduce-scatters after every micro-batch and all-gathers once
-    (A + 1); ZeRO-3 also gathers the parameters for every forward and backward
-    (3 per micro-batch: 1.5x DDP when A = 1). (FSDP2 does the same by default;
-    ``set_requires_gradient_sync(False)`` instead keeps unsharded gradients
-    between micro-batches: less traffic, more memory. pytorch/pytorch#126166.)
+    DDP (accumulating under ``no_sync``) and ZeRO-1 send twice the ring share ``(N-1)/N x P`` once per step.
+    Sharded gradients cannot accumulate locally: ZeRO-2 reduce-scatters after every micro-batch and all-gathers
+    once (A + 1); ZeRO-3 also gathers the parameters for every forward and backward (3A). (FSDP2's
+    ``set_requires_gradient_sync(False)`` keeps unsharded gradients instead: less traffic, more memory.)
     """
     share = (world_size - 1) / world_size * param_bytes
     a = config.accumulation_steps
@@ -395,8 +373,7 @@ class Plan:
 def segment_options(n_blocks: int) -> list[int]:
     """For each size of the largest segment, the fewest segments that give it (fewer segments recompute less).
 
-    A transformer block saves far more than its output, so more segments keep
-    lowering the peak, past Chen's ``sqrt(n)`` (which assumes they are equal).
+    A block saves far more than its output, so more segments keep lowering the peak, past Chen's ``sqrt(n)``.
     """
     sizes = {math.ceil(n_blocks / k) for k in range(1, n_blocks + 1)}
     return sorted(min(k for k in range(1, n_blocks + 1) if math.ceil(n_blocks / k) == s) for s in sizes) or [1]
@@ -413,16 +390,12 @@ def plan(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, mem
          bucket_cap_mb: float = DEFAULT_BUCKET_MB) -> Plan:
     """The fastest predicted configuration whose peak bytes per device fit ``memory_budget_bytes``, with Adam.
 
-    ``global_batch`` samples of shape ``sample_shape`` per optimizer step are
-    split evenly over ``world_size`` ranks; each runs micro-batches (a divisor
-    of its share) with accumulation, in fp32 or bf16 autocast, checkpointing
-    ``model.blocks`` or not, at a ZeRO stage (0-3; 0 on one rank; stage 2 as
-    ``ZeroOptimizer`` with ``bucket_cap_mb``). The predicted peak must fit
-    ``(1 - headroom)`` of the budget. ``loss_fn`` and ``make_batch(m) ->
-    (inputs, targets)`` default to ``default_batch``'s. The model is measured
-    in place on ``device`` (default: where its parameters are) and left as it
-    was. Raises ``ValueError`` when nothing fits, saying what the smallest
-    configuration needs.
+    ``global_batch`` samples of shape ``sample_shape`` per step are split evenly over ``world_size`` ranks; each
+    runs micro-batches (a divisor of its share) with accumulation, in fp32 or bf16 autocast, checkpointing
+    ``model.blocks`` or not, at a ZeRO stage (0-3; stage 2 as ``ZeroOptimizer`` with ``bucket_cap_mb``). The
+    predicted peak must fit ``(1 - headroom)`` of the budget. ``loss_fn`` and ``make_batch(m) -> (inputs,
+    targets)`` default to ``default_batch``'s. The model is measured in place on ``device`` (default: where its
+    parameters are) and left as it was. Raises ``ValueError`` when nothing fits, saying what the smallest needs.
     """
     device = torch.device(device) if device is not None else next(model.parameters()).device
     if world_size < 1 or global_batch < 1 or memory_budget_bytes <= 0 or not 0 <= headroom < 1:

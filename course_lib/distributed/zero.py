@@ -28,6 +28,7 @@ averaged slice and frees the rest, so the full gradient never exists at once
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -96,12 +97,20 @@ class _Bucket:
     offsets: list[int]      # where each parameter starts, relative to the region
     start: int              # where the region starts in the flat buffer
     slots: int              # elements per rank: the region is padded to N x slots
-    piece: nn.Parameter     # this rank's slice of the region: what the inner optimizer updates
-    grad: torch.Tensor | None = None  # stage 2: the region's gradient while the backward fills it
+    piece: nn.Parameter | None = None  # this rank's slice of the region: what the inner optimizer updates
+    grad: torch.Tensor | None = None   # stage 2: the region's gradient while the backward fills it
     arrived: int = 0        # stage 2: parameters whose gradient is in ``grad`` in this backward
 
     def region(self, flat: torch.Tensor) -> torch.Tensor:
         return flat[self.start:self.start + self.slots * dist.get_world_size()]
+
+    def zeros(self) -> torch.Tensor:
+        """A zero gradient for the whole region."""
+        return self.piece.new_zeros(self.slots * dist.get_world_size())
+
+    @property
+    def complete(self) -> bool:
+        return self.arrived == len(self.params)
 
 
 class ZeroOptimizer:
@@ -145,34 +154,26 @@ class ZeroOptimizer:
                              f"dtypes {dtypes} and devices {devices}")
         self.stage = stage
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
-        nbytes = [memory.tensor_bytes(p) for p in self.params]
-        groups = assign_buckets(nbytes, bucket_cap_mb * MB)  # raises on a cap <= 0
-
-        # The layout: bucket after bucket, each padded to a multiple of N (at most N-1
-        # zeros, which get zero gradients and zero updates); rank r owns slice r of each.
-        layout, start = [], 0
-        for idx in groups:
-            offsets = [sum(self.params[j].numel() for j in idx[:k]) for k in range(len(idx))]
-            slots = math.ceil(sum(self.params[i].numel() for i in idx) / self.world)
-            layout.append((idx, offsets, start, slots))
-            start += slots * self.world
-        p0 = self.params[0]
-        flat = torch.zeros(start, dtype=p0.dtype, device=p0.device)
+        # The layout: bucket after bucket, each padded to a multiple of N (at most N-1 zeros,
+        # which get zero gradients and zero updates); rank r owns slice r of every bucket.
         self.buckets: list[_Bucket] = []
         self.bucket_of: dict[int, tuple[int, int]] = {}  # parameter index -> (its bucket, its offset there)
+        start = 0
+        for idx in assign_buckets([memory.tensor_bytes(p) for p in self.params], bucket_cap_mb * MB):
+            sizes = [self.params[i].numel() for i in idx]
+            offsets = list(itertools.accumulate(sizes[:-1], initial=0))
+            self.bucket_of.update({i: (len(self.buckets), o) for i, o in zip(idx, offsets)})
+            self.buckets.append(_Bucket(idx, offsets, start, math.ceil(sum(sizes) / self.world)))
+            start += self.buckets[-1].slots * self.world
+        flat = torch.zeros(start, dtype=self.params[0].dtype, device=self.params[0].device)
         with torch.no_grad():
-            for idx, offsets, begin, slots in layout:
-                lo = begin + self.rank * slots
-                # a view: the inner optimizer's in-place update writes straight into the model's weights
-                b = _Bucket(idx, offsets, begin, slots, nn.Parameter(flat[lo:lo + slots]))
-                for i, o in zip(idx, offsets):
-                    p, at = self.params[i], begin + o
-                    flat[at:at + p.numel()].copy_(p.reshape(-1))
-                    p.data = flat[at:at + p.numel()].view_as(p)
-                    self.bucket_of[i] = (len(self.buckets), o)
-                self.buckets.append(b)
+            for i, p in enumerate(self.params):
+                self._view(flat, i).copy_(p.reshape(-1))
+                p.data = self._view(flat, i).view_as(p)
         # Start from rank 0's weights everywhere, as DDP does (not counted: once per run, not per step).
         comm.broadcast(flat, src=0)
+        for b in self.buckets:  # views: the inner optimizer's in-place update writes straight into the weights
+            b.piece = nn.Parameter(b.region(flat)[self.rank * b.slots:(self.rank + 1) * b.slots])
         self.flat_params = flat
         self.optimizer = optimizer_cls([b.piece for b in self.buckets], **optimizer_kwargs)
         self.flat_grads: torch.Tensor | None = None  # stage 1's full gradient buffer
@@ -181,6 +182,12 @@ class ZeroOptimizer:
         self._in_backward = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i))
                        for i, p in enumerate(self.params)] if stage == 2 else []
+
+    def _view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter ``i``'s elements in a flat buffer laid out as the parameters are."""
+        k, o = self.bucket_of[i]
+        at = self.buckets[k].start + o
+        return flat[at:at + self.params[i].numel()]
 
     @property
     def param_groups(self) -> list[dict]:
@@ -210,9 +217,7 @@ class ZeroOptimizer:
         else:
             self.flat_grads.zero_()
         for i, p in enumerate(self.params):
-            k, o = self.bucket_of[i]
-            at = self.buckets[k].start + o
-            p.grad = self.flat_grads[at:at + p.numel()].view_as(p)
+            p.grad = self._view(self.flat_grads, i).view_as(p)
 
     # ----- stage 2: reduce-scatter each bucket as soon as the backward has filled it --------------
 
@@ -228,12 +233,11 @@ class ZeroOptimizer:
                                    "part in the backward twice (reentrant checkpointing?); use "
                                    "torch.utils.checkpoint with use_reentrant=False")
             if b.grad is None:  # the bucket's buffer exists only while the backward fills it
-                b.grad = torch.zeros(b.slots * self.world, dtype=p.dtype, device=p.device)
+                b.grad = b.zeros()
             b.grad[o:o + p.numel()].add_(p.grad.reshape(-1))
             p.grad = None  # its full gradient is in the bucket now: free it
             b.arrived += 1
-            while self._next < len(self.buckets) and self.buckets[self._next].arrived == len(
-                    self.buckets[self._next].params):
+            while self._next < len(self.buckets) and self.buckets[self._next].complete:
                 self._reduce(self.buckets[self._next])
         return on_grad
 
@@ -248,8 +252,7 @@ class ZeroOptimizer:
     @torch.no_grad()
     def _reduce(self, b: _Bucket) -> None:
         """Reduce-scatter bucket ``b``'s gradient; add this rank's averaged slice to ``b.piece.grad``; free the rest."""
-        full = b.grad if b.grad is not None else torch.zeros(b.slots * self.world, dtype=b.piece.dtype,
-                                                             device=b.piece.device)
+        full = b.grad if b.grad is not None else b.zeros()  # no gradient of it arrived on this rank
         out = torch.empty(b.slots, dtype=full.dtype, device=full.device)
         comm.reduce_scatter(out, full, counter=self.counter)  # (N-1)/N x the bucket's bytes
         out.div_(self.world)  # the mean over ranks, as DDP: the gradient of the whole batch's mean loss
@@ -264,9 +267,7 @@ class ZeroOptimizer:
         if self.flat_grads is None:
             self.flat_grads = torch.zeros_like(self.flat_params)
         for i, p in enumerate(self.params):
-            k, o = self.bucket_of[i]
-            at = self.buckets[k].start + o
-            slot = self.flat_grads[at:at + p.numel()]
+            slot = self._view(self.flat_grads, i)
             if p.grad is None:
                 slot.zero_()  # unused this step (or zero_grad was skipped): contributes nothing
             elif p.grad.data_ptr() != slot.data_ptr():
@@ -285,8 +286,6 @@ class ZeroOptimizer:
                 # keep the full buffer (stage 1 does not shard it); this rank's slice becomes the mean
                 mine = b.region(grads)[self.rank * b.slots:(self.rank + 1) * b.slots]
                 b.piece.grad = mine.copy_(out.div_(self.world))
-        elif self._in_backward:  # a step inside a backward: cannot happen from user code, but say so
-            raise RuntimeError("step() was called before the backward pass finished")
         # the inner optimizer sees this rank's slices only: its state is 1/N of the model's
         self.optimizer.step()
         # all-gather, bucket by bucket: every rank receives every updated slice, (N-1)/N x P sent.

@@ -131,6 +131,7 @@ class MethodResult:
     losses: list[float]              # per step, the mean over ranks
     held: list[dict[str, int]]       # params, grads, optimizer state after the last step
     resident: list[int]              # at the start of the measured step: model states and the batch
+    batch_bytes: list[int]           # of which the batch (this rank's inputs and targets)
     peak: list[int]                  # resident + the highest transient during zero_grad+forward+backward+step
     sent_per_step: list[float]       # bytes sent (ring formulas of ``comm``)
     sent_by_op: dict[str, float]     # rank 0, per collective

@@ -24,10 +24,12 @@ for starting the processes once):
 The peak per rank is what this rank holds at the start of the measured step
 (its model states and the batch: counted tensor by tensor) plus the highest
 transient above that during ``zero_grad``, forward, backward and ``step``
-(``memory.peak_bytes``: CUDA statistics on a GPU, the profiler's allocation
-records on the CPU, which also see gloo's temporary buffers). Gradients that
-a method frees in ``zero_grad`` are freed before the measurement starts,
-since the CPU profiler cannot see the free of a tensor allocated before it.
+(``zero.rank_peak_bytes``: CUDA statistics on a GPU, the profiler's
+allocation records on the CPU, paired by address, which also see gloo's
+temporary buffers). Every method keeps its gradient buffers (zeroed, not
+freed) from step to step, so what is resident at the start is exactly its
+model states; ``zero_grad`` still runs before the window as well, since the
+CPU profiler cannot see the free of a tensor allocated before it started.
 
 Why float64 for the equality check: the attention's key bias has a true
 gradient of exactly zero (adding the same vector to every key shifts each row
@@ -215,7 +217,9 @@ def run_method(method: str, cfg: RunConfig, rank: int, world: int,
         losses.append(mean_over_ranks(loss, device))
     timed = times[1:] if len(times) > 1 else times  # the first step pays for first-call allocations
     steps = cfg.steps
+    batch = sum(memory.tensor_bytes(t) for t in local_batch(cfg, 0, rank, world))
     result = MethodResult(losses=losses, held=gather_per_rank(m.held()), resident=gather_per_rank(resident),
+                          batch_bytes=gather_per_rank(batch),
                           peak=gather_per_rank(peak), sent_per_step=gather_per_rank(m.counter.bytes / steps),
                           sent_by_op={k: v / steps for k, v in m.counter.by_op.items()},
                           calls_per_step={k: v / steps for k, v in m.counter.calls.items()},
