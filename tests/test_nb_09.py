@@ -61,13 +61,16 @@ def test_the_planned_model_learns(c: dict) -> None:
     assert c["ch09/loss_decreased"] is True and last < 0.9 * first
 
 
-def test_zero_makes_room_and_matches_real_ranks(c: dict) -> None:
+def test_zero_makes_room_and_matches_real_ranks(c: dict, profile: str) -> None:
     # a device with 80% of the model states: nothing fits on one, ZeRO (stage >= 1) fits it over 4 ranks
     assert c["ch09/small_device_one_rank_fits"] is False
     assert c["ch09/small_device_world4_stage"] >= 1
     assert c["ch09/small_device_world4_peak_over_budget"] <= 0.95
     assert c["ch09/held_over_predicted_worst"] < 0.01  # states held per rank on 2 gloo ranks vs the formulas
     peaks = c["ch09/ranks_peak_measured_over_predicted"]  # [min, max] over the ranks of measured / predicted peak
+    if peaks is None:  # the plan was measured on a GPU, the two ranks ran on the CPU
+        assert profile == "gpu"
+        return
     for stage in ("stage0", "stage1"):
         assert 0.98 <= peaks[stage][0] <= peaks[stage][1] <= 1.02, (stage, peaks[stage])
     assert 0.93 <= peaks["stage2"][0] <= peaks["stage2"][1] <= 1.0, peaks["stage2"]  # the safe side, a few percent

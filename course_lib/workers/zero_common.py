@@ -153,6 +153,7 @@ class CompareResult:
     """Every method trained on the same batches, and the single-process reference (rank 0)."""
 
     world: int
+    device: str                      # where the ranks ran: "cpu" (gloo) or "cuda" (NCCL, one GPU per rank)
     num_params: int
     dtype: str
     accumulation: int

@@ -251,8 +251,8 @@ def compare(cfg: RunConfig, methods: list[str], rank: int, world: int, device: t
     if rank == 0 and "ddp" in finals:
         for name in methods:
             results[name].max_param_diff_vs_ddp = _max_diff(finals[name], finals["ddp"])
-    return CompareResult(world=world, num_params=num_params, dtype=cfg.dtype, accumulation=cfg.accumulation,
-                         ref_losses=ref_losses, methods=results)
+    return CompareResult(world=world, device=device.type, num_params=num_params, dtype=cfg.dtype,
+                         accumulation=cfg.accumulation, ref_losses=ref_losses, methods=results)
 
 
 def timeline(cfg: RunConfig, rank: int, world: int, device: torch.device) -> list[BucketTimeline]:
