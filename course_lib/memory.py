@@ -307,22 +307,25 @@ def estimate(model: nn.Module, batch_shape: tuple[int, ...], optimizer: str = "a
     return out
 
 
-def zero_memory(num_params: float, num_devices: int, stage: int, optimizer_multiplier: int = 12) -> float:
-    """Bytes per device for mixed-precision Adam under ZeRO (Rajbhandari et al. 2020, Figure 1).
+def zero_memory(num_params: float, num_devices: int, stage: int, optimizer_multiplier: float = 12, *,
+                param_bytes: float = 2, grad_bytes: float = 2) -> float:
+    """Bytes per device of the model states under ZeRO (Rajbhandari et al. 2020, Figure 1).
 
-    Each parameter costs 2 bytes (fp16 weights) + 2 (fp16 gradients) + K
-    (fp32 master weights, momentum, variance: K = 12). Stage 1 shards the K
-    bytes over the devices, stage 2 the gradients too, stage 3 the weights too.
-    Activations are not included.
+    Each parameter costs ``param_bytes`` (2: fp16 weights) + ``grad_bytes`` (2:
+    fp16 gradients) + K = ``optimizer_multiplier`` (12: fp32 master weights,
+    momentum, variance). Stage 1 shards the K bytes over the devices, stage 2
+    the gradients too, stage 3 the weights too; stage 0 is plain data
+    parallelism. Activations are not included. This is the course's one ZeRO
+    formula: ``distributed.zero.zero_bytes_per_rank`` splits it into its parts.
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
     if num_devices < 1:
         raise ValueError(f"num_devices must be at least 1, got {num_devices}")
-    n, k, d = float(num_params), float(optimizer_multiplier), float(num_devices)
-    weights = 2 * n / d if stage >= 3 else 2 * n
-    grads = 2 * n / d if stage >= 2 else 2 * n
-    states = k * n / d if stage >= 1 else k * n
+    n, d = float(num_params), float(num_devices)
+    weights = param_bytes * n / (d if stage >= 3 else 1)
+    grads = grad_bytes * n / (d if stage >= 2 else 1)
+    states = optimizer_multiplier * n / (d if stage >= 1 else 1)
     return weights + grads + states
 
 

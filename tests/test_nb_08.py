@@ -48,6 +48,36 @@ def test_memory_per_rank_follows_the_formulas(c: dict) -> None:
     assert imbalance["zero1"] == 1.0 and imbalance["zero_redundancy"] >= 1.0
 
 
+def test_peak_per_rank(c: dict) -> None:
+    for key, r in c["ch08/resident_over_formula"].items():  # resident at a step's start: the states and the batch
+        assert abs(r - 1) < 0.02, f"{key}: resident / (formula + batch) = {r}"
+    peak, transient = c["ch08/peak_mb"], c["ch08/transient_mb"]
+    for n in (2, 4):
+        assert peak[f"ddp/{n}"] > peak[f"zero1/{n}"] > peak[f"zero2/{n}"], f"N = {n}: {peak}"
+        assert abs(transient[f"zero1/{n}"] / transient[f"ddp/{n}"] - 1) < 0.02  # the same activations
+        others = max(transient[f"{m}/{n}"] for m in ("ddp", "zero1", "zero2"))
+        assert transient[f"fsdp2/{n}"] > others  # gathered blocks and their gradients in flight
+    for n, saving in c["ch08/zero2_peak_saving_over_grad_share"].items():
+        # what ZeRO-2 does not hold, (N-1)/N of the gradient, less the bucket in flight
+        assert 0.7 <= saving <= 1.05, f"N = {n}: ZeRO-2 saves {saving} x (N-1)/N x G"
+
+
+def test_buckets_leave_during_the_backward(c: dict) -> None:
+    assert c["ch08/timeline_stage1_during_backward"] == 0  # stage 1 reduces in step()
+    assert c["ch08/timeline_stage2_before_last_grad"] >= 1  # stage 2: a bucket left before the last gradient
+    after, buckets = c["ch08/timeline_stage2_after_backward"]
+    assert after == buckets > 1
+    assert c["ch08/timeline_stage2_full_grad_bytes"] == 0
+    assert 0.5 <= c["ch08/timeline_slice_over_grad"] < 0.51  # 1/N of the gradient at N = 2, plus padding
+
+
+def test_accumulation_traffic(c: dict) -> None:
+    r = c["ch08/accum_comm_ratio"]  # A = 2 micro-batches per step, against DDP under no_sync
+    assert abs(r["zero1"] - 1) < 0.01
+    assert abs(r["zero2"] - 1.5) < 0.01  # (A + 1) / 2: a reduce-scatter after every micro-batch
+    assert abs(r["fsdp2"] / 3 - 1) < 0.05  # 3A / 2
+
+
 def test_communication_is_1x_1x_1p5x(c: dict) -> None:
     expected = {"ddp": 1.0, "zero1": 1.0, "zero2": 1.0, "fsdp2": 1.5, "fsdp2_keep": 1.0, "zero_redundancy": 1.5,
                 "fsdp2_bf16": 1.0}

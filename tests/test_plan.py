@@ -1,14 +1,16 @@
-"""The capstone's planner (course_lib.plan): it fits, it explains, it refuses clearly, and it predicts what it runs."""
+"""The capstone's planner (course_lib.planner): it fits, it explains, it refuses clearly, and it predicts what it runs."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 
-from course_lib import memory
-from course_lib import plan as planner
+from course_lib import memory, planner
 from course_lib.data import make_tokens
 from course_lib.models import MLP, ResNet, TinyTransformer, lm_loss
+from course_lib.norms import MABN2d, make_norm
 
 MiB = 2**20
 T, B = 32, 16
@@ -22,11 +24,10 @@ def tiny(d_model: int = 64, n_layers: int = 4) -> TinyTransformer:
 def run_and_measure(model: torch.nn.Module, cfg: planner.Config) -> tuple[int, list[float]]:
     """Measured peak of a train_step of ``cfg`` (after a first step), and the losses of three steps."""
     x, y = make_tokens(cfg.micro_batch * cfg.accumulation_steps, T)
-    net = planner.with_checkpointing(model, cfg.segments)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    losses = [planner.train_step(net, lm_loss, x, y, opt, cfg)]
-    peak = planner.measure_peak(net, lm_loss, x, y, opt, cfg)
-    losses += [planner.train_step(net, lm_loss, x, y, opt, cfg) for _ in range(2)]
+    losses = [planner.train_step(model, lm_loss, x, y, opt, cfg)]
+    peak = planner.measure_peak(model, lm_loss, x, y, opt, cfg)
+    losses += [planner.train_step(model, lm_loss, x, y, opt, cfg) for _ in range(2)]
     return peak, losses
 
 
@@ -96,6 +97,20 @@ def test_planning_leaves_the_model_as_it_was():
     assert type(model.blocks) is torch.nn.Sequential and len(model.blocks) == 2
 
 
+def test_planning_restores_buffers_and_extra_state():
+    net = ResNet(width=8, norm_layer=lambda c: make_norm("mabn", c)).train()
+    net(torch.randn(4, 3, 32, 32))  # statistics and MABN's step counter move once
+    before = copy.deepcopy(net.state_dict())
+    steps = [m.step for m in net.modules() if isinstance(m, MABN2d)]
+    assert steps and all(s == 1 for s in steps)
+    planner.plan(net, (3, 32, 32), 8, 64 * MiB)
+    assert [m.step for m in net.modules() if isinstance(m, MABN2d)] == steps  # extra state, not a buffer
+    after = net.state_dict()
+    assert after.keys() == before.keys()
+    for k, v in before.items():
+        assert (torch.equal(after[k], v) if torch.is_tensor(v) else after[k] == v), k
+
+
 def test_impossible_budgets_say_what_is_needed(model, measured_plan):
     # below the model states: refused before any measurement
     with pytest.raises(ValueError, match=r"nothing fits 1\.0 MiB .*states alone need \d+\.\d MiB"):
@@ -148,15 +163,23 @@ def test_more_ranks_shard_the_states_and_make_room():
     assert planner.comm_bytes(meas.param_bytes, cfgs[3], 1) == 0
 
 
-def test_segment_options_and_checkpoint_wrapper(model):
+def test_segment_options_and_checkpointing(model):
     assert planner.segment_options(1) == [1]
     assert planner.segment_options(4) == [1, 2, 4]
     assert planner.segment_options(8) == [1, 2, 3, 4, 8]
-    wrapped = planner.with_checkpointing(model, 2)
-    assert wrapped is not model and type(model.blocks) is torch.nn.Sequential  # the original keeps its blocks
-    assert [p.data_ptr() for p in wrapped.parameters()] == [p.data_ptr() for p in model.parameters()]
-    x, y = make_tokens(4, T)
-    torch.testing.assert_close(wrapped(x), model(x))
+    x, _ = make_tokens(4, T)
+    plain, params = model.blocks, list(model.parameters())
+    with planner.checkpointing(model, 2) as net:
+        assert net is model and type(model.blocks) is not torch.nn.Sequential  # checkpointed inside the block
+        assert list(model.parameters()) == params  # the same parameter objects, nothing copied
+        checkpointed = model(x)
+    assert model.blocks is plain  # restored
+    torch.testing.assert_close(checkpointed, model(x))
+    with pytest.raises(RuntimeError, match="boom"), planner.checkpointing(model, 4):
+        raise RuntimeError("boom")
+    assert model.blocks is plain  # restored after an error too
+    with pytest.raises(ValueError, match="nn.Sequential"), planner.checkpointing(torch.nn.Linear(2, 2), 2):
+        pass
 
 
 @pytest.mark.parametrize("net", [ResNet(width=8), MLP(hidden=(64,))], ids=["resnet", "mlp"])

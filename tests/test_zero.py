@@ -1,8 +1,9 @@
 """The hand-written ZeRO of chapter 08: shard boundaries, formulas, clear errors, and real ranks.
 
 The single-process tests use a gloo group of world size 1 in this process;
-one launch on 3 ranks (an uneven split of the flat vector) checks the
-collectives, the bytes held and sent, and equality with single-process Adam.
+one launch on 3 ranks (an uneven split of every bucket) checks the
+collectives, when the buckets leave, the bytes held, sent and at the peak,
+and equality with single-process Adam, with and without accumulation.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ import torch
 import torch.distributed as dist
 
 from course_lib import memory
-from course_lib.distributed import launch
-from course_lib.distributed.zero import (ZeroOptimizer, count_fsdp_traffic, held_bytes, shard_bounds,
+from course_lib.distributed import zero
+from course_lib.distributed.zero import (ZeroOptimizer, bucket_sizes, count_fsdp_traffic, held_bytes, shard_bounds,
                                          zero_bytes_per_rank)
 from course_lib.models import lm_loss
-from course_lib.workers.zero_common import RunConfig, build_model, global_batch
+from course_lib.workers.zero_common import RunConfig, build_model, global_batch, run_workers
 
 
 @pytest.mark.parametrize("numel", [0, 1, 7, 12, 30145])
@@ -40,13 +41,26 @@ def test_shard_bounds_rejects_bad_input() -> None:
         shard_bounds(10, 0, 0)
 
 
-def test_bytes_per_rank_matches_the_paper_formula() -> None:
-    for stage in range(4):
-        parts = zero_bytes_per_rank(int(7.5e9), 64, stage, param_bytes=2, grad_bytes=2, optimizer_bytes=12)
-        assert sum(parts.values()) == pytest.approx(memory.zero_memory(7.5e9, 64, stage))
-    assert zero_bytes_per_rank(100, 4, 2) == {"params": 400, "grads": 100, "optimizer": 200}
+def test_bytes_per_rank_reproduce_the_papers_example() -> None:
+    # Rajbhandari et al. 2020, Figure 1: 7.5B parameters, 64 GPUs, 2 + 2 + 12 bytes: 120, 31.4, 16.6, 1.88 GB
+    totals = [sum(zero_bytes_per_rank(7.5e9, 64, s, 2, 2, 12).values()) / 1e9 for s in range(4)]
+    assert [round(t, 2) for t in totals] == [120.0, 31.41, 16.64, 1.88]
+    assert zero_bytes_per_rank(7.5e9, 64, 2, 2, 2, 12) == pytest.approx(
+        {"params": 15e9, "grads": 15e9 / 64, "optimizer": 90e9 / 64})  # 2 psi, 2 psi / N, K psi / N
+    assert zero_bytes_per_rank(100, 4, 2) == {"params": 400, "grads": 100, "optimizer": 200}  # fp32 Adam
+    assert sum(zero_bytes_per_rank(7.5e9, 64, 1, 2, 2, 12).values()) == pytest.approx(
+        memory.zero_memory(7.5e9, 64, 1))  # the parts add up to chapter 01's total
     with pytest.raises(ValueError, match="stage"):
         zero_bytes_per_rank(100, 4, 4)
+
+
+def test_buckets_follow_the_backward_order_and_the_cap() -> None:
+    params = [torch.zeros(n) for n in (10, 300, 20, 30, 5)]
+    # bytes 40, 1200, 80, 120, 20 walked from the end, at most 200 per bucket; the 1200 alone
+    assert bucket_sizes(params, bucket_cap_mb=200 / 2**20) == [140, 80, 1200, 40]
+    assert bucket_sizes(params, bucket_cap_mb=1.0) == [1460]
+    with pytest.raises(ValueError, match="positive"):
+        bucket_sizes(params, bucket_cap_mb=0)
 
 
 def test_zero_optimizer_rejects_bad_arguments() -> None:
@@ -73,13 +87,15 @@ def one_rank_group():
             dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("bucket_mb", [zero.DEFAULT_BUCKET_MB, 0.004], ids=["one-bucket", "many-buckets"])
 @pytest.mark.parametrize("stage", [1, 2])
-def test_one_rank_zero_is_adam(one_rank_group, stage: int) -> None:
+def test_one_rank_zero_is_adam(one_rank_group, stage: int, bucket_mb: float) -> None:
     cfg = RunConfig(d_model=16, n_layers=1, seq_len=8, batch=4)
     model = build_model(cfg)
     ref = copy.deepcopy(model)
-    opt = ZeroOptimizer(model, torch.optim.Adam, stage, lr=1e-2)
+    opt = ZeroOptimizer(model, torch.optim.Adam, stage, bucket_cap_mb=bucket_mb, lr=1e-2)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    assert (len(opt.buckets) > 3) == (bucket_mb < 1)
     for step in range(3):
         x, y = global_batch(cfg, step)
         if step:  # the first step runs without zero_grad: gradients made by autograd are copied in
@@ -93,10 +109,37 @@ def test_one_rank_zero_is_adam(one_rank_group, stage: int) -> None:
         assert torch.equal(p, q), "one rank must reproduce Adam bit for bit"
     n = sum(p.numel() for p in model.parameters())
     held = opt.state_bytes()
-    assert held == {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n + 4}
+    # Adam: two fp32 moments per element and a 4-byte step counter per tensor (one per bucket slice)
+    assert held == {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n + 4 * len(opt.buckets)}
     assert opt.counter.bytes == 0  # nothing to send to oneself
+    assert opt.counter.calls["reduce_scatter"] == 3 * len(opt.buckets)  # one per bucket per backward
     if stage == 2:
-        assert all(p.grad is None for p in model.parameters()), "stage 2 frees the full gradients"
+        assert all(p.grad is None for p in model.parameters()), "stage 2 keeps only the slices of the gradient"
+
+
+def test_stage2_accumulates_slices_and_reduces_unused_parameters(one_rank_group) -> None:
+    cfg = RunConfig(d_model=16, n_layers=2, seq_len=8, batch=4, dtype="float64")
+    model, ref = build_model(cfg), build_model(cfg)
+    opt = ZeroOptimizer(model, torch.optim.Adam, 2, bucket_cap_mb=0.004, lr=1e-2)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    x, y = global_batch(cfg, 0)
+    opt.zero_grad()
+    for xm, ym in zip(x.chunk(2), y.chunk(2)):  # two micro-batches: every bucket reduced after each
+        lm_loss(model(xm), ym).div(2).backward()
+        assert opt.counter.calls["reduce_scatter"] % len(opt.buckets) == 0
+    opt.step()
+    ref_opt.zero_grad()
+    lm_loss(ref(x), y).backward()
+    ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-12)
+    # the last block unused in a step: its buckets never fill, the end of the backward reduces them anyway
+    calls = opt.counter.calls["reduce_scatter"]
+    opt.zero_grad()
+    lm_loss(model.head(model.blocks[0](model.embed(x))), y).backward()
+    assert opt.counter.calls["reduce_scatter"] == calls + len(opt.buckets)
+    assert all(b.piece.grad is not None for b in opt.buckets)
+    opt.step()
 
 
 def test_meters_reject_plain_models(one_rank_group) -> None:
@@ -110,26 +153,46 @@ def test_meters_reject_plain_models(one_rank_group) -> None:
 
 @pytest.mark.slow
 def test_zero_on_three_ranks() -> None:
-    """Uneven shards on 3 ranks: equal to Adam (float64), 1/N of the state per rank, DDP's traffic."""
-    cfg = RunConfig(vocab=50, d_model=48, n_heads=4, n_layers=1, seq_len=12, batch=6, steps=4)
-    num_params = sum(p.numel() for p in build_model(cfg).parameters())
-    assert num_params % 3, "the test wants a flat vector that does not split evenly"
-    out = launch.run("course_lib.workers.zero_compare", 3,
-                     ["--tasks", "exact,compare", "--methods", "ddp,zero1,zero2,fsdp2", "--cfg", cfg.to_json()],
-                     timeout=180)
-    for m, r in out["exact"]["methods"].items():
-        assert r["max_param_diff"] < 1e-5, f"{m} drifted from whole-batch Adam by {r['max_param_diff']}"
-    methods = out["compare"]["methods"]
-    slots = math.ceil(num_params / 3)
+    """Uneven shards on 3 ranks: equal to Adam (float64, with accumulation), 1/N of the state per rank, DDP's
+    traffic, buckets that leave during the backward, and a lower peak for stage 2."""
+    cfg = RunConfig(vocab=50, d_model=48, n_heads=4, n_layers=2, seq_len=12, batch=6, steps=4, bucket_mb=0.01)
+    model = build_model(cfg)
+    num_params = sum(p.numel() for p in model.parameters())
+    sizes = bucket_sizes(list(model.parameters()), cfg.bucket_mb)
+    slots = sum(math.ceil(b / 4 / 3) for b in sizes)  # per rank: each bucket padded to a multiple of 3
+    assert any((b // 4) % 3 for b in sizes), "the test wants buckets that do not split evenly"
+    out = run_workers(3, ["exact", "compare", "timeline"], cfg, ["ddp", "zero1", "zero2", "fsdp2"], timeout=240)
+    exact = out.exact
+    assert exact.accumulation == 2
+    for m, r in exact.methods.items():
+        assert r.max_param_diff < 1e-5, f"{m} drifted from whole-batch Adam by {r.max_param_diff}"
+    ddp_sent = exact.methods["ddp"].sent_per_step[0]
+    # accumulation: DDP and ZeRO-1 reduce once per step, ZeRO-2 after each of the 2 micro-batches: (A+1)/2
+    assert exact.methods["zero1"].sent_per_step[0] == pytest.approx(ddp_sent, rel=0.01)
+    assert exact.methods["zero2"].sent_per_step[0] == pytest.approx(1.5 * ddp_sent, rel=0.01)
+    methods = out.compare.methods
     for m in ("zero1", "zero2"):
-        held = methods[m]["held"]
-        assert [h["optimizer"] for h in held] == [8 * slots + 4] * 3, "each rank: the Adam moments of its slice"
+        held = methods[m].held
+        assert [h["optimizer"] for h in held] == [8 * slots + 4 * len(sizes)] * 3, "the Adam moments of its slices"
         total = sum(h["optimizer"] for h in held)
-        assert abs(total / (8 * num_params) - 1) < 0.01, "together the ranks hold the optimizer state once"
-        assert methods[m]["sent_per_step"][0] == pytest.approx(methods["ddp"]["sent_per_step"][0], rel=0.01)
-    assert [h["grads"] for h in methods["zero2"]["held"]] == [4 * slots] * 3, "stage 2 keeps a gradient slice"
-    assert [h["grads"] for h in methods["zero1"]["held"]] == [4 * slots * 3] * 3, "stage 1 keeps the full gradient"
-    ratio = methods["fsdp2"]["sent_per_step"][0] / methods["ddp"]["sent_per_step"][0]
+        assert abs(total / (8 * num_params) - 1) < 0.02, "together the ranks hold the optimizer state once"
+        assert methods[m].sent_per_step[0] == pytest.approx(methods["ddp"].sent_per_step[0], rel=0.01)
+        assert methods[m].calls_per_step == {"reduce_scatter": len(sizes), "all_gather": len(sizes)}
+    assert [h["grads"] for h in methods["zero2"].held] == [4 * slots] * 3, "stage 2 keeps a gradient slice"
+    assert [h["grads"] for h in methods["zero1"].held] == [4 * slots * 3] * 3, "stage 1 keeps the full gradient"
+    ratio = methods["fsdp2"].sent_per_step[0] / methods["ddp"].sent_per_step[0]
     assert abs(ratio / 1.5 - 1) < 0.05, f"FSDP2 sends {ratio:.3f} x DDP, expected 1.5"
-    ddp_formula = 2 * 2 / 3 * 4 * num_params
-    assert methods["ddp"]["sent_per_step"][0] == pytest.approx(ddp_formula, rel=1e-6)
+    assert methods["ddp"].sent_per_step[0] == pytest.approx(2 * 2 / 3 * 4 * num_params, rel=1e-6)
+    # the peak: what stage 1 holds and stage 2 does not, the full gradient less one slice, (N-1)/N x G
+    saving = [a - b for a, b in zip(methods["zero1"].peak, methods["zero2"].peak)]
+    assert min(saving) >= 0.7 * 2 / 3 * 4 * num_params, f"stage 2 saves only {saving} bytes of peak"
+    for m, r in methods.items():  # resident at the start of a step: the model states and the batch
+        assert all(res < peak for res, peak in zip(r.resident, r.peak)), m
+    # when the buckets leave: stage 2 during the backward, stage 1 only in step()
+    one, two = out.timeline
+    assert one.stage == 1 and set(one.reduce_scatters_seen) == {0} and one.after_backward == 0
+    assert one.full_grad_bytes_after_backward == 4 * num_params and one.slice_grad_bytes == 0
+    assert two.names[-1].startswith("embed"), "the backward ends at the embedding"
+    assert two.reduce_scatters_seen[-1] >= 1, "a bucket left before the backward reached its last gradient"
+    assert two.reduce_scatters_seen == sorted(two.reduce_scatters_seen) and two.after_backward == len(sizes)
+    assert two.full_grad_bytes_after_backward == 0 and two.slice_grad_bytes == 4 * slots

@@ -5,7 +5,7 @@ optimizer state on every rank. ZeRO (Rajbhandari et al. 2020, "ZeRO: Memory
 Optimizations Toward Training Trillion Parameter Models") removes the copies:
 
 - stage 1 shards the optimizer state: rank r keeps the state, and does the
-  update, for its own 1/N slice of the flat parameter vector;
+  update, for its own 1/N slice of the parameters;
 - stage 2 shards the gradients too: each rank keeps only its slice of the
   averaged gradient;
 - stage 3 shards the parameters too (here: PyTorch's FSDP2, ``fully_shard``).
@@ -16,22 +16,30 @@ reduce-scatter the gradients and all-gather the updated parameters:
 (N-1)/N x P twice, the same 1x. Stage 3 all-gathers the parameters for the
 forward and again for the backward, plus the reduce-scatter: 1.5x.
 
-``ZeroOptimizer`` is the teaching version: one flat buffer, one
-reduce-scatter and one all-gather per step, after the backward. DeepSpeed and
-FSDP2 reduce-scatter bucket by bucket *during* the backward, so the full
-gradient never exists at once; here it does, briefly (see ``zero_grad``).
+``ZeroOptimizer`` is the teaching version. The parameters live in one flat
+buffer cut into buckets (``ddp.assign_buckets``: backward order, at most
+``bucket_cap_mb`` each), each padded to a multiple of N; rank r owns slice r
+of every bucket. Stage 1 keeps a full gradient buffer and reduce-scatters it,
+bucket by bucket, in ``step``. Stage 2 reduce-scatters each bucket from the
+gradient hooks as soon as the backward has produced it, keeps only its own
+averaged slice and frees the rest, so the full gradient never exists at once
+(DeepSpeed's and FSDP's way).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from course_lib import memory
 from course_lib.distributed import comm
-from course_lib.memory import optimizer_state_bytes, tensor_bytes
+from course_lib.distributed.ddp import MB, assign_buckets
 
 # Optimizers whose update of one element depends only on that element's
 # parameter, gradient and state (plus shared scalars such as the step count).
@@ -42,6 +50,7 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
     torch.optim.RAdam, torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Rprop,
 )
+DEFAULT_BUCKET_MB = 25.0  # PyTorch DDP's bucket_cap_mb (MiB)
 
 
 def shard_bounds(numel: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -60,40 +69,72 @@ def shard_bounds(numel: int, world_size: int, rank: int) -> tuple[int, int]:
     return start, min(start + size, numel)
 
 
-def zero_bytes_per_rank(num_params: int, world_size: int, stage: int, param_bytes: int = 4,
-                        grad_bytes: int = 4, optimizer_bytes: int = 8) -> dict[str, float]:
-    """Bytes of parameters, gradients and optimizer state one rank holds under ZeRO ``stage`` (0 = DDP).
+def zero_bytes_per_rank(num_params: float, world_size: int, stage: int, param_bytes: float = 4,
+                        grad_bytes: float = 4, optimizer_bytes: float = 8) -> dict[str, float]:
+    """Bytes of ``params``, ``grads`` and ``optimizer`` state one rank holds under ZeRO ``stage`` (0 = DDP).
 
+    ``memory.zero_memory`` for each part alone (the other parts' bytes set to 0).
     The defaults are fp32 Adam as trained on the CPU here: 4 + 4 + 8 (two fp32
-    moments) bytes per parameter. Mixed-precision Adam is ``2, 2, 12`` (fp32
-    master weights, momentum and variance; Rajbhandari et al. 2020, section 3).
+    moments) bytes per parameter; mixed-precision Adam is ``2, 2, 12``.
     """
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"ZeRO stage must be 0 (plain data parallel), 1, 2 or 3, got {stage}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be at least 1, got {world_size}")
-    n, d = float(num_params), float(world_size)
-    return {"params": param_bytes * n / (d if stage >= 3 else 1),
-            "grads": grad_bytes * n / (d if stage >= 2 else 1),
-            "optimizer": optimizer_bytes * n / (d if stage >= 1 else 1)}
+    def part(p: float, g: float, o: float) -> float:
+        return memory.zero_memory(num_params, world_size, stage, o, param_bytes=p, grad_bytes=g)
+    return {"params": part(param_bytes, 0, 0), "grads": part(0, grad_bytes, 0),
+            "optimizer": part(0, 0, optimizer_bytes)}
+
+
+def bucket_sizes(params: list[torch.Tensor], bucket_cap_mb: float = DEFAULT_BUCKET_MB) -> list[int]:
+    """Bytes of each bucket ``ZeroOptimizer`` (and ``ddp.BucketedDDP``) makes of ``params``, before padding."""
+    nbytes = [memory.tensor_bytes(p) for p in params]
+    return [sum(nbytes[i] for i in b) for b in assign_buckets(nbytes, bucket_cap_mb * MB)]
+
+
+@dataclass(eq=False)
+class _Bucket:
+    """Parameters ``params`` (indices) at ``offsets`` inside a region of N x ``slots`` elements of the flat buffer."""
+
+    params: list[int]
+    offsets: list[int]      # where each parameter starts, relative to the region
+    start: int              # where the region starts in the flat buffer
+    slots: int              # elements per rank: the region is padded to N x slots
+    piece: nn.Parameter | None = None  # this rank's slice of the region: what the inner optimizer updates
+    grad: torch.Tensor | None = None   # stage 2: the region's gradient while the backward fills it
+    arrived: int = 0        # stage 2: parameters whose gradient is in ``grad`` in this backward
+
+    def region(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.start:self.start + self.slots * dist.get_world_size()]
+
+    def zeros(self) -> torch.Tensor:
+        """A zero gradient for the whole region."""
+        return self.piece.new_zeros(self.slots * dist.get_world_size())
+
+    @property
+    def complete(self) -> bool:
+        return self.arrived == len(self.params)
 
 
 class ZeroOptimizer:
     """ZeRO stage 1 or 2 around any element-wise optimizer: ``zero_grad(); loss.backward(); step()``.
 
     Every rank runs the same model on its own part of the batch. The model's
-    parameters become views into one flat buffer (padded to a multiple of N);
-    rank r's slice of it, ``self.shard``, is the only parameter the inner
-    optimizer sees, so the optimizer state exists for 1/N of the model.
-    ``counter`` counts the bytes this rank sends in ``step`` (``comm`` ring formulas).
+    parameters become views into one flat buffer; the inner optimizer sees
+    only this rank's slice of each bucket, so the optimizer state exists for
+    1/N of the model. ``counter`` counts the bytes this rank sends (``comm``
+    ring formulas): a reduce-scatter per bucket per backward, an all-gather
+    per bucket per step.
 
-    Only trainable parameters are sharded and synchronised (from rank 0, at
-    construction); buffers such as BatchNorm's running statistics are not,
-    unlike DDP, which broadcasts them before every forward.
+    Stage 2 under gradient accumulation reduce-scatters after *every*
+    micro-batch: a rank keeps only its slice, so the rest of a micro-batch's
+    gradient must leave before the next backward (chapter 08). Its
+    parameters' ``.grad`` are ``None`` after the backward: the gradient exists
+    only as the slices, one per bucket (``self.buckets[b].piece.grad``).
+    A parameter unused on some rank contributes zeros there. Only trainable
+    parameters are sharded and synchronised (from rank 0, at construction);
+    buffers such as BatchNorm's running statistics are not.
     """
 
     def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], stage: int,
-                 **optimizer_kwargs):
+                 bucket_cap_mb: float = DEFAULT_BUCKET_MB, **optimizer_kwargs):
         if stage not in (1, 2):
             raise ValueError(f"ZeroOptimizer implements stages 1 and 2, got {stage}; stage 3 shards the "
                              "parameters as well: use torch.distributed.fsdp.fully_shard (chapter 08)")
@@ -113,31 +154,40 @@ class ZeroOptimizer:
                              f"dtypes {dtypes} and devices {devices}")
         self.stage = stage
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
-        self.numel = sum(p.numel() for p in self.params)
-        self.shard_size = math.ceil(self.numel / self.world)
-        # (offset, numel) of each parameter inside the flat vector
-        self.slots: list[tuple[int, int]] = []
-        offset = 0
-        for p in self.params:
-            self.slots.append((offset, p.numel()))
-            offset += p.numel()
-
-        # One flat buffer; each parameter becomes a view of its slot. The padding
-        # (at most N-1 elements) stays zero: zero gradient, zero update.
-        flat = torch.zeros(self.shard_size * self.world, dtype=self.params[0].dtype, device=self.params[0].device)
+        # The layout: bucket after bucket, each padded to a multiple of N (at most N-1 zeros,
+        # which get zero gradients and zero updates); rank r owns slice r of every bucket.
+        self.buckets: list[_Bucket] = []
+        self.bucket_of: dict[int, tuple[int, int]] = {}  # parameter index -> (its bucket, its offset there)
+        start = 0
+        for idx in assign_buckets([memory.tensor_bytes(p) for p in self.params], bucket_cap_mb * MB):
+            sizes = [self.params[i].numel() for i in idx]
+            offsets = list(itertools.accumulate(sizes[:-1], initial=0))
+            self.bucket_of.update({i: (len(self.buckets), o) for i, o in zip(idx, offsets)})
+            self.buckets.append(_Bucket(idx, offsets, start, math.ceil(sum(sizes) / self.world)))
+            start += self.buckets[-1].slots * self.world
+        flat = torch.zeros(start, dtype=self.params[0].dtype, device=self.params[0].device)
         with torch.no_grad():
-            for p, (o, n) in zip(self.params, self.slots):
-                flat[o:o + n].copy_(p.reshape(-1))
-                p.data = flat[o:o + n].view_as(p)
+            for i, p in enumerate(self.params):
+                self._view(flat, i).copy_(p.reshape(-1))
+                p.data = self._view(flat, i).view_as(p)
         # Start from rank 0's weights everywhere, as DDP does (not counted: once per run, not per step).
         comm.broadcast(flat, src=0)
+        for b in self.buckets:  # views: the inner optimizer's in-place update writes straight into the weights
+            b.piece = nn.Parameter(b.region(flat)[self.rank * b.slots:(self.rank + 1) * b.slots])
         self.flat_params = flat
-        lo = self.rank * self.shard_size
-        # A view too: the inner optimizer's in-place update writes straight into the model's weights.
-        self.shard = nn.Parameter(flat[lo:lo + self.shard_size])
-        self.optimizer = optimizer_cls([self.shard], **optimizer_kwargs)
-        self.flat_grads: torch.Tensor | None = None
+        self.optimizer = optimizer_cls([b.piece for b in self.buckets], **optimizer_kwargs)
+        self.flat_grads: torch.Tensor | None = None  # stage 1's full gradient buffer
         self.counter = comm.ByteCounter()
+        self._next = 0                # stage 2: the next bucket to reduce (in order: every rank the same)
+        self._in_backward = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i))
+                       for i, p in enumerate(self.params)] if stage == 2 else []
+
+    def _view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter ``i``'s elements in a flat buffer laid out as the parameters are."""
+        k, o = self.bucket_of[i]
+        at = self.buckets[k].start + o
+        return flat[at:at + self.params[i].numel()]
 
     @property
     def param_groups(self) -> list[dict]:
@@ -145,27 +195,79 @@ class ZeroOptimizer:
         return self.optimizer.param_groups
 
     def zero_grad(self) -> None:
-        """Give every parameter a zeroed gradient that is a view into one flat gradient buffer.
+        """Start a new step's gradients.
 
-        Autograd then accumulates straight into the buffer (as DDP's
-        ``gradient_as_bucket_view``), so ``step`` needs no copy. Under stage 2
-        this full buffer lives from here to the end of ``step``: the price of
-        reducing once after the backward instead of bucket by bucket during it.
+        Stage 1: every parameter gets a zeroed ``.grad`` that is a view into one
+        flat gradient buffer, which autograd accumulates into (as DDP's
+        ``gradient_as_bucket_view``): the full gradient, held to the end of ``step``.
+        Stage 2: no parameter ``.grad`` at all, only this rank's slices (zeroed,
+        1/N of the gradient); the hooks fill and reduce one bucket at a time.
         """
+        if self.stage == 2:
+            for p in self.params:
+                p.grad = None
+            for b in self.buckets:
+                b.grad, b.arrived = None, 0
+                if b.piece.grad is not None:
+                    b.piece.grad.zero_()
+            self._next, self._in_backward = 0, False
+            return
         if self.flat_grads is None:
             self.flat_grads = torch.zeros_like(self.flat_params)
         else:
             self.flat_grads.zero_()
-        for p, (o, n) in zip(self.params, self.slots):
-            p.grad = self.flat_grads[o:o + n].view_as(p)
-        self.shard.grad = None
+        for i, p in enumerate(self.params):
+            p.grad = self._view(self.flat_grads, i).view_as(p)
+
+    # ----- stage 2: reduce-scatter each bucket as soon as the backward has filled it --------------
+
+    def _hook(self, i: int):
+        def on_grad(p: torch.Tensor) -> None:  # runs right after autograd accumulated p.grad
+            k, o = self.bucket_of[i]
+            b = self.buckets[k]
+            if not self._in_backward:  # first gradient of this backward: finish it when the backward ends
+                self._in_backward = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            if k < self._next:
+                raise RuntimeError(f"a gradient of parameter {i} arrived after its bucket was reduced: it takes "
+                                   "part in the backward twice (reentrant checkpointing?); use "
+                                   "torch.utils.checkpoint with use_reentrant=False")
+            if b.grad is None:  # the bucket's buffer exists only while the backward fills it
+                b.grad = b.zeros()
+            b.grad[o:o + p.numel()].add_(p.grad.reshape(-1))
+            p.grad = None  # its full gradient is in the bucket now: free it
+            b.arrived += 1
+            while self._next < len(self.buckets) and self.buckets[self._next].complete:
+                self._reduce(self.buckets[self._next])
+        return on_grad
+
+    def _end_of_backward(self) -> None:
+        """Reduce what is left (buckets with a parameter unused here: it contributes zeros), in order."""
+        while self._next < len(self.buckets):
+            self._reduce(self.buckets[self._next])
+        for b in self.buckets:
+            b.arrived = 0
+        self._next, self._in_backward = 0, False
+
+    @torch.no_grad()
+    def _reduce(self, b: _Bucket) -> None:
+        """Reduce-scatter bucket ``b``'s gradient; add this rank's averaged slice to ``b.piece.grad``; free the rest."""
+        full = b.grad if b.grad is not None else b.zeros()  # no gradient of it arrived on this rank
+        out = torch.empty(b.slots, dtype=full.dtype, device=full.device)
+        comm.reduce_scatter(out, full, counter=self.counter)  # (N-1)/N x the bucket's bytes
+        out.div_(self.world)  # the mean over ranks, as DDP: the gradient of the whole batch's mean loss
+        b.piece.grad = out if b.piece.grad is None else b.piece.grad.add_(out)  # accumulation: a sum of means
+        b.grad = None
+        self._next += 1
+
+    # ----- the step ---------------------------------------------------------------------------
 
     def _collect_grads(self) -> torch.Tensor:
-        """The flat gradient buffer, copying in any ``.grad`` that is not already a view of it."""
+        """Stage 1's flat gradient buffer, copying in any ``.grad`` that is not already a view of it."""
         if self.flat_grads is None:
             self.flat_grads = torch.zeros_like(self.flat_params)
-        for p, (o, n) in zip(self.params, self.slots):
-            slot = self.flat_grads[o:o + n]
+        for i, p in enumerate(self.params):
+            slot = self._view(self.flat_grads, i)
             if p.grad is None:
                 slot.zero_()  # unused this step (or zero_grad was skipped): contributes nothing
             elif p.grad.data_ptr() != slot.data_ptr():
@@ -175,36 +277,30 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        """Average the gradients into each rank's shard, update the shard, gather the parameters."""
-        grads = self._collect_grads()
-        lo = self.rank * self.shard_size
-        # 1. reduce-scatter: rank r receives the sum over ranks of its own slice, (N-1)/N x P sent
-        shard_grad = torch.empty(self.shard_size, dtype=grads.dtype, device=grads.device)
-        comm.reduce_scatter(shard_grad, grads, counter=self.counter)
-        shard_grad.div_(self.world)  # the mean over ranks, as DDP: the gradient of the whole batch's mean loss
+        """Stage 1: reduce-scatter the full gradient. Both: update this rank's slices, all-gather the parameters."""
         if self.stage == 1:
-            # keep the full gradient buffer (stage 1 does not shard it); the shard's grad is its slice
-            grads[lo:lo + self.shard_size].copy_(shard_grad)
-            self.shard.grad = grads[lo:lo + self.shard_size]
-        else:
-            # stage 2: keep only the averaged slice; drop the full buffer now (P bytes freed)
-            self.shard.grad = shard_grad
-            for p in self.params:
-                p.grad = None
-            self.flat_grads = None
-        # 2. update: the inner optimizer sees one parameter of P/N elements, so its state is 1/N of the model's
+            grads = self._collect_grads()
+            for b in self.buckets:
+                out = torch.empty(b.slots, dtype=grads.dtype, device=grads.device)
+                comm.reduce_scatter(out, b.region(grads), counter=self.counter)
+                # keep the full buffer (stage 1 does not shard it); this rank's slice becomes the mean
+                mine = b.region(grads)[self.rank * b.slots:(self.rank + 1) * b.slots]
+                b.piece.grad = mine.copy_(out.div_(self.world))
+        # the inner optimizer sees this rank's slices only: its state is 1/N of the model's
         self.optimizer.step()
-        # 3. all-gather: every rank receives every updated slice, (N-1)/N x P sent.
-        # The input is a copy of our slice because the output buffer contains it.
-        comm.all_gather(self.flat_params, self.shard.detach().clone(), counter=self.counter)
+        # all-gather, bucket by bucket: every rank receives every updated slice, (N-1)/N x P sent.
+        # The input is a copy of our slice because the output region contains it.
+        for b in self.buckets:
+            comm.all_gather(b.region(self.flat_params), b.piece.detach().clone(), counter=self.counter)
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now: ``params``, ``grads``, ``optimizer`` (after ``step``: the ZeRO picture)."""
-        grads = tensor_bytes(self.flat_grads) if self.flat_grads is not None else 0
-        if self.stage == 2 and self.shard.grad is not None:
-            grads += tensor_bytes(self.shard.grad)  # (under stage 1 it is a view of flat_grads)
-        return {"params": tensor_bytes(self.flat_params), "grads": grads,
-                "optimizer": optimizer_state_bytes(self.optimizer)}
+        if self.stage == 1:
+            grads = memory.tensor_bytes(self.flat_grads) if self.flat_grads is not None else 0
+        else:  # stage 2: the slices (under stage 1 they are views of flat_grads)
+            grads = sum(memory.tensor_bytes(b.piece.grad) for b in self.buckets if b.piece.grad is not None)
+        return {"params": memory.tensor_bytes(self.flat_params), "grads": grads,
+                "optimizer": memory.optimizer_state_bytes(self.optimizer)}
 
 
 # ----- meters for torch's own data-parallel wrappers ----------------------------------------
@@ -216,7 +312,7 @@ def local_bytes(t: torch.Tensor | None) -> int:
         return 0
     if hasattr(t, "to_local"):  # a DTensor (FSDP2's sharded parameters, gradients and Adam moments)
         t = t.to_local()
-    return tensor_bytes(t)
+    return memory.tensor_bytes(t)
 
 
 def held_bytes(model: nn.Module, optimizer: object) -> dict[str, int]:
@@ -227,22 +323,43 @@ def held_bytes(model: nn.Module, optimizer: object) -> dict[str, int]:
             "optimizer": sum(local_bytes(v) for s in inner.state.values() for v in s.values() if torch.is_tensor(v))}
 
 
-def counting_allreduce_hook(counter: comm.ByteCounter):
-    """A DDP communication hook that all-reduces each gradient bucket through ``comm`` and counts it.
+def rank_peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
+    """Peak bytes this rank allocates while ``fn()`` runs, above the start: CUDA statistics, or on the CPU
+    the profiler's allocation records replayed with every free matched to its allocation by address.
 
-    ``ddp.register_comm_hook(None, counting_allreduce_hook(counter))``. It
-    averages like DDP's default hook, synchronously (no overlap: a meter, not a speed-up).
+    Why by address: gloo's worker threads free collective buffers (and the
+    temporary copies gloo makes of them) that the profiler records no free
+    for, since it only sees the threads it runs in. ``memory.cpu_peak_bytes``
+    would count those buffers as live to the end; here a block is known to be
+    gone at the latest when the allocator hands out its address again. A block
+    freed unseen and never reused still counts to the end: an upper bound.
     """
-    # No annotations on hook: DDP checks them against the real classes, and
-    # ``from __future__ import annotations`` would turn them into strings.
-    def hook(state, bucket):
-        buf = bucket.buffer()
-        comm.all_reduce(buf, counter=counter)
-        buf.div_(dist.get_world_size())
-        fut: torch.futures.Future = torch.futures.Future()
-        fut.set_result(buf)
-        return fut
-    return hook
+    if device.type == "cuda":
+        return memory.cuda_peak_bytes(fn, device)
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    prof.start()
+    try:
+        fn()
+    finally:
+        prof.stop()
+    records, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:  # every allocation and free, wherever it sits in the tree of ops
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            records.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
+    live: dict[int, int] = {}
+    now = peak = 0
+    for _, ptr, size in sorted(records):
+        now -= live.pop(ptr, 0)  # a free, or a reused address (the block there was freed unseen)
+        if size > 0:
+            live[ptr] = size
+            now += size
+        peak = max(peak, now)
+    return peak
 
 
 def count_fsdp_traffic(model: nn.Module, counter: comm.ByteCounter) -> int:

@@ -38,7 +38,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
                                                      get_state_dict, set_state_dict)
 
 from course_lib.models import lm_loss
-from course_lib.workers.zero_common import RunConfig, build_model, local_batch, mean_over_ranks, shard_fsdp2
+from course_lib.workers.zero_common import (CrashResult, ReshardResult, ResumeResult, RunConfig, build_model,
+                                            local_batch, mean_over_ranks, shard_fsdp2)
 
 CKPT = re.compile(r"^step_(\d{6})$")
 KILLED_EXIT = 75  # the exit code of a rank killed on purpose during a save (any non-zero code would do)
@@ -142,7 +143,7 @@ def _train(model, opt, cfg: RunConfig, start: int, stop: int, device: torch.devi
     return losses
 
 
-def crash_run(cfg: RunConfig, root: str, every: int, crash_at: int, device: torch.device) -> dict:
+def crash_run(cfg: RunConfig, root: str, every: int, crash_at: int, device: torch.device) -> CrashResult:
     """Train from scratch, checkpoint every ``every`` steps, die while saving after step ``crash_at``."""
     if every < 1 or crash_at % every or not every <= crash_at <= cfg.steps:
         raise ValueError(f"crash_at={crash_at} must be a checkpoint step (a multiple of every={every}) "
@@ -162,10 +163,10 @@ def crash_run(cfg: RunConfig, root: str, every: int, crash_at: int, device: torc
                             die_during_save=(done == crash_at))
 
     losses = _train(model, opt, cfg, 0, cfg.steps, device, maybe_save)
-    return {"losses": losses, "crashed": False}  # reached only if crash_at was never hit
+    return CrashResult(losses=losses, crashed=False)  # reached only if crash_at was never hit
 
 
-def resume_run(cfg: RunConfig, root: str, device: torch.device) -> dict:
+def resume_run(cfg: RunConfig, root: str, device: torch.device) -> ResumeResult:
     """Resume from the latest complete checkpoint, and compare with a run that never stopped."""
     path, partial = latest_checkpoint(root)
     if path is None:
@@ -177,16 +178,16 @@ def resume_run(cfg: RunConfig, root: str, device: torch.device) -> dict:
     resumed = _train(model, opt, cfg, start, cfg.steps, device)
     model2, opt2 = _fsdp(cfg, device)
     never_stopped = _train(model2, opt2, cfg, 0, cfg.steps, device)
-    return {"checkpoint": path.name, "incomplete": partial,
-            "incomplete_has_metadata": [(Path(root) / p / ".metadata").exists() for p in partial],
-            "incomplete_files": [sorted(f.name for f in (Path(root) / p).iterdir()) for p in partial],
-            "saved_world": meta["world"], "start": start, "digest_ok": digest_ok,
-            "losses_before_crash": meta["losses"], "resumed": resumed, "never_stopped": never_stopped,
-            "identical": resumed == never_stopped[start:],
-            "max_abs_diff": max(abs(a - b) for a, b in zip(resumed, never_stopped[start:]))}
+    return ResumeResult(checkpoint=path.name, incomplete=partial,
+                        incomplete_has_metadata=[(Path(root) / p / ".metadata").exists() for p in partial],
+                        incomplete_files=[sorted(f.name for f in (Path(root) / p).iterdir()) for p in partial],
+                        saved_world=meta["world"], start=start, digest_ok=digest_ok,
+                        losses_before_crash=meta["losses"], resumed=resumed, never_stopped=never_stopped,
+                        identical=resumed == never_stopped[start:],
+                        max_abs_diff=max(abs(a - b) for a, b in zip(resumed, never_stopped[start:])))
 
 
-def reshard_load(cfg: RunConfig, root: str, device: torch.device, steps: int = 2) -> dict:
+def reshard_load(cfg: RunConfig, root: str, device: torch.device, steps: int = 2) -> ReshardResult:
     """Load the latest checkpoint at this world size; check the full state; train ``steps`` more steps."""
     path, _ = latest_checkpoint(root)
     if path is None:
@@ -196,5 +197,5 @@ def reshard_load(cfg: RunConfig, root: str, device: torch.device, steps: int = 2
     digest_ok = full_state_digest(model, opt) == meta["digest"]
     start = meta["step"]
     losses = _train(model, opt, cfg, start, min(cfg.steps, start + steps), device)
-    return {"checkpoint": path.name, "saved_world": meta["world"], "loaded_world": dist.get_world_size(),
-            "digest_ok": digest_ok, "start": start, "losses": losses}
+    return ReshardResult(checkpoint=path.name, saved_world=meta["world"], loaded_world=dist.get_world_size(),
+                         digest_ok=digest_ok, start=start, losses=losses)

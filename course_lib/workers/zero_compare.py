@@ -2,20 +2,34 @@
 
     torchrun --nproc-per-node 2 -m course_lib.workers.zero_compare --tasks compare
 
+(From Python: ``zero_common.run_workers``, which returns a typed ``WorkerResult``.)
 Every method trains the same tiny transformer from the same weights on the
 same global batches (each rank its rows) with Adam. Rank 0 also trains the
-single-process reference (Adam on the whole batch). Reported per method:
-the mean loss per step, the largest parameter difference from the reference,
-the bytes each rank holds (params, grads, optimizer state), the bytes each
-rank sends per step (``comm`` ring formulas) and the step time.
+single-process reference (Adam on the whole batch). Reported per method
+(``zero_common.MethodResult``): the mean loss per step, the largest parameter
+difference from the reference, the bytes each rank holds after a step, its
+peak during one whole step, the bytes it sends per step (``comm`` ring
+formulas) and the step time.
 
 Tasks (``--tasks``, comma-separated, run in this order in one launch, to pay
 for starting the processes once):
 
 - ``compare``: the methods above (``--methods`` picks them);
-- ``exact``: the same in float64, where rounding is too small to hide a real
-  difference (in float32 Adam turns rounding noise into visible steps, see below);
+- ``exact``: the same in float64 with two micro-batches per step, where
+  rounding is too small to hide a real difference (in float32 Adam turns
+  rounding noise into visible steps, see below);
+- ``timeline``: when ZeroOptimizer's buckets leave during one backward, stages 1 and 2;
 - ``crash``, ``resume``, ``reshard``: sharded checkpoints (``dcp_checkpoint``).
+
+The peak per rank is what this rank holds at the start of the measured step
+(its model states and the batch: counted tensor by tensor) plus the highest
+transient above that during ``zero_grad``, forward, backward and ``step``
+(``zero.rank_peak_bytes``: CUDA statistics on a GPU, the profiler's
+allocation records on the CPU, paired by address, which also see gloo's
+temporary buffers). Every method keeps its gradient buffers (zeroed, not
+freed) from step to step, so what is resident at the start is exactly its
+model states; ``zero_grad`` still runs before the window as well, since the
+CPU profiler cannot see the free of a tensor allocated before it started.
 
 Why float64 for the equality check: the attention's key bias has a true
 gradient of exactly zero (adding the same vector to every key shifts each row
@@ -31,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import statistics
 import time
 from typing import Callable, Iterator
@@ -39,14 +54,21 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from course_lib import memory
 from course_lib.distributed import comm, launch
-from course_lib.distributed.zero import ZeroOptimizer, count_fsdp_traffic, counting_allreduce_hook, held_bytes
+from course_lib.distributed.ddp import counting_allreduce_hook
+from course_lib.distributed.zero import ZeroOptimizer, count_fsdp_traffic, held_bytes, rank_peak_bytes
 from course_lib.models import lm_loss
-from course_lib.workers.zero_common import (RunConfig, build_model, gather_per_rank, global_batch, local_batch,
+from course_lib.workers.zero_common import (BucketTimeline, CompareResult, MethodResult, RunConfig, WorkerResult,
+                                            build_model, gather_per_rank, global_batch, local_batch,
                                             mean_over_ranks, shard_fsdp2)
 
 METHODS = ("ddp", "zero1", "zero2", "zero_redundancy", "fsdp2", "fsdp2_keep", "fsdp2_bf16")
 EXACT_METHODS = ("ddp", "zero1", "zero2", "zero_redundancy", "fsdp2")  # fp32 ones, to repeat in float64
+# The steps whose peak is measured: from step 1 on Adam's state exists, and DDP rebuilds its buckets in the
+# forward of step 1 (freeing buffers allocated before the window, which the CPU profiler would not see).
+# Each measurement is an upper bound (``zero.rank_peak_bytes``); the lower of two is the tighter one.
+MEASURED_STEPS = (2, 3)
 
 
 def reference(cfg: RunConfig) -> tuple[list[float], list[torch.Tensor]]:
@@ -80,10 +102,37 @@ def count_broadcasts(counter: comm.ByteCounter) -> Iterator[None]:
         dist.broadcast = original
 
 
-def _setup(method: str, cfg: RunConfig, device: torch.device):
-    """Model, a step function ``step(x, y) -> loss``, the byte counter and a ``held()`` meter for ``method``."""
+def forward_backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, micro_batches: int,
+                     no_sync: Callable[[], contextlib.AbstractContextManager] | None = None) -> float:
+    """Forward and backward over ``micro_batches`` equal micro-batches of this rank's rows; the mean loss.
+
+    ``no_sync`` (DDP's) skips the gradient all-reduce for all but the last micro-batch.
+    """
+    total = 0.0
+    for i, (xm, ym) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
+        quiet = no_sync is not None and i < micro_batches - 1
+        with no_sync() if quiet else contextlib.nullcontext():
+            logits = model(xm)
+            loss = lm_loss(logits.float() if logits.dtype == torch.bfloat16 else logits, ym) / micro_batches
+            loss.backward()
+        total += loss.item()
+    return total
+
+
+@dataclasses.dataclass
+class _Method:
+    model: torch.nn.Module
+    zero_grad: Callable[[], None]
+    step: Callable[[torch.Tensor, torch.Tensor], float]  # zero_grad, forward, backward, optimizer step
+    held: Callable[[], dict[str, int]]
+    counter: comm.ByteCounter
+
+
+def _setup(method: str, cfg: RunConfig, device: torch.device) -> _Method:
+    """The model, its step and meters for ``method``."""
     counter = comm.ByteCounter()
     model = build_model(cfg, device)
+    a = cfg.accumulation
     if method in ("ddp", "zero_redundancy"):
         # gradient_as_bucket_view: the buckets *are* the .grad tensors, else DDP holds the gradients twice
         model = DDP(model, gradient_as_bucket_view=True)
@@ -94,25 +143,25 @@ def _setup(method: str, cfg: RunConfig, device: torch.device):
             from torch.distributed.optim import ZeroRedundancyOptimizer
             opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=cfg.lr)
 
-        def step(x, y):
+        def zero_grad():
             opt.zero_grad(set_to_none=False)  # keep the bucket views
-            loss = lm_loss(model(x), y)
-            loss.backward()
+
+        def step(x, y):
+            zero_grad()
+            loss = forward_backward(model, x, y, a, model.no_sync)  # accumulate locally, all-reduce once
             with count_broadcasts(counter):
                 opt.step()
             return loss
-        return model, step, counter, lambda: held_bytes(model, opt)
+        return _Method(model, zero_grad, step, lambda: held_bytes(model, opt), counter)
     if method in ("zero1", "zero2"):
-        zopt = ZeroOptimizer(model, torch.optim.Adam, int(method[-1]), lr=cfg.lr)
-        counter = zopt.counter
+        zopt = ZeroOptimizer(model, torch.optim.Adam, int(method[-1]), bucket_cap_mb=cfg.bucket_mb, lr=cfg.lr)
 
         def step(x, y):
             zopt.zero_grad()
-            loss = lm_loss(model(x), y)
-            loss.backward()
+            loss = forward_backward(model, x, y, a)  # stage 2 reduce-scatters during every backward
             zopt.step()
             return loss
-        return model, step, counter, zopt.state_bytes
+        return _Method(model, zopt.zero_grad, step, zopt.state_bytes, zopt.counter)
     if method.startswith("fsdp2"):
         mp = None
         if method == "fsdp2_bf16":
@@ -123,15 +172,25 @@ def _setup(method: str, cfg: RunConfig, device: torch.device):
         count_fsdp_traffic(model, counter)
         opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
 
+        def zero_grad():
+            opt.zero_grad(set_to_none=False)  # keep the sharded gradients (1/N), as the ZeRO stages keep theirs
+
         def step(x, y):
-            opt.zero_grad()
-            logits = model(x)
-            loss = lm_loss(logits.float() if logits.dtype == torch.bfloat16 else logits, y)
-            loss.backward()
+            zero_grad()
+            loss = forward_backward(model, x, y, a)  # FSDP2 reduce-scatters after every micro-batch by default
             opt.step()
             return loss
-        return model, step, counter, lambda: held_bytes(model, opt)
+        return _Method(model, zero_grad, step, lambda: held_bytes(model, opt), counter)
     raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+
+
+def measure_step(m: _Method, x: torch.Tensor, y: torch.Tensor, device: torch.device) -> tuple[int, int, float]:
+    """One step of ``m``: (bytes resident at its start, its peak bytes, its loss)."""
+    m.zero_grad()  # what the step's zero_grad frees, freed before the window (see the module docstring)
+    resident = sum(m.held().values()) + memory.tensor_bytes(x) + memory.tensor_bytes(y)
+    box: list[float] = []
+    transient = rank_peak_bytes(lambda: box.append(m.step(x, y)), device)
+    return resident, resident + transient, box[0]
 
 
 def _full_params(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -140,59 +199,91 @@ def _full_params(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def run_method(method: str, cfg: RunConfig, rank: int, world: int,
-               device: torch.device) -> tuple[dict, list[torch.Tensor]]:
-    """Train ``cfg.steps`` steps with ``method``; return (losses, bytes held and sent, step times), final params."""
-    if device.type == "cuda":  # on GPUs, also the real peak of everything this rank allocated
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    model, step, counter, held = _setup(method, cfg, device)
-    losses, times = [], []
+               device: torch.device) -> tuple[MethodResult, list[torch.Tensor]]:
+    """Train ``cfg.steps`` steps with ``method``; return its result (rank 0's is complete) and final params."""
+    m = _setup(method, cfg, device)
+    measured = [s for s in MEASURED_STEPS if s < cfg.steps] or [cfg.steps - 1]
+    losses, times, resident, peak = [], [], 0, None
     for s in range(cfg.steps):
         x, y = local_batch(cfg, s, rank, world, device)
         dist.barrier()  # start every rank's step together so the time is the step's, not the wait's
-        t0 = time.perf_counter()
-        loss = step(x, y)
-        times.append(time.perf_counter() - t0)
-        losses.append(mean_over_ranks(loss.item(), device))
-    out = {"losses": losses, "held": gather_per_rank(held()),
-           "sent_per_step": gather_per_rank(counter.bytes / cfg.steps),
-           "sent_by_op": {k: v / cfg.steps for k, v in counter.by_op.items()},
-           "calls_per_step": {k: v / cfg.steps for k, v in counter.calls.items()},
-           "step_s": statistics.median(times[1:] if len(times) > 1 else times)}
-    if device.type == "cuda":
-        out["cuda_peak_bytes"] = gather_per_rank(torch.cuda.max_memory_allocated(device))
-    full = [p.to("cpu", torch.float64) for p in _full_params(model.module if isinstance(model, DDP) else model)]
+        if s in measured:
+            resident, p, loss = measure_step(m, x, y, device)  # profiled: not timed
+            peak = p if peak is None else min(peak, p)
+        else:
+            t0 = time.perf_counter()
+            loss = m.step(x, y)
+            times.append(time.perf_counter() - t0)
+        losses.append(mean_over_ranks(loss, device))
+    timed = times[1:] if len(times) > 1 else times  # the first step pays for first-call allocations
+    steps = cfg.steps
+    batch = sum(memory.tensor_bytes(t) for t in local_batch(cfg, 0, rank, world))
+    result = MethodResult(losses=losses, held=gather_per_rank(m.held()), resident=gather_per_rank(resident),
+                          batch_bytes=gather_per_rank(batch),
+                          peak=gather_per_rank(peak), sent_per_step=gather_per_rank(m.counter.bytes / steps),
+                          sent_by_op={k: v / steps for k, v in m.counter.by_op.items()},
+                          calls_per_step={k: v / steps for k, v in m.counter.calls.items()},
+                          step_s=statistics.median(timed) if timed else float("nan"))
+    model = m.model.module if isinstance(m.model, DDP) else m.model
+    full = [p.to("cpu", torch.float64) for p in _full_params(model)]
     if method == "fsdp2":
         p = model.blocks[0].mlp[0].weight  # what a sharded parameter is
-        out["example_param"] = {"type": type(p).__name__, "placements": str(p.placements),
+        result.example_param = {"type": type(p).__name__, "placements": str(p.placements),
                                 "global_shape": list(p.shape), "local_shape": list(p.to_local().shape)}
-    return out, full
+    return result, full
 
 
 def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((x.double() - y.double()).abs().max().item() for x, y in zip(a, b))
 
 
-def compare(cfg: RunConfig, methods: list[str], rank: int, world: int, device: torch.device) -> dict:
+def compare(cfg: RunConfig, methods: list[str], rank: int, world: int, device: torch.device) -> CompareResult:
     """Every method; rank 0 also trains the reference and measures each method's distance from it and from DDP."""
     ref_losses, ref_params = reference(cfg) if rank == 0 else (None, None)
     num_params = sum(p.numel() for p in build_model(cfg).parameters())
     results, finals = {}, {}
-    for m in methods:
-        results[m], finals[m] = run_method(m, cfg, rank, world, device)
+    for name in methods:
+        r, finals[name] = run_method(name, cfg, rank, world, device)
         if rank == 0:
-            results[m]["max_param_diff"] = _max_diff(finals[m], ref_params)
-            results[m]["max_loss_diff"] = max(abs(a - b) for a, b in zip(results[m]["losses"], ref_losses))
+            r.max_param_diff = _max_diff(finals[name], ref_params)
+            r.max_loss_diff = max(abs(a - b) for a, b in zip(r.losses, ref_losses))
+        results[name] = r
     if rank == 0 and "ddp" in finals:
-        for m in methods:
-            results[m]["max_param_diff_vs_ddp"] = _max_diff(finals[m], finals["ddp"])
-    return {"world": world, "num_params": num_params, "dtype": cfg.dtype, "ref_losses": ref_losses,
-            "methods": results}
+        for name in methods:
+            results[name].max_param_diff_vs_ddp = _max_diff(finals[name], finals["ddp"])
+    return CompareResult(world=world, device=device.type, num_params=num_params, dtype=cfg.dtype,
+                         accumulation=cfg.accumulation, ref_losses=ref_losses, methods=results)
+
+
+def timeline(cfg: RunConfig, rank: int, world: int, device: torch.device) -> list[BucketTimeline]:
+    """One backward under ZeroOptimizer stages 1 and 2: how many buckets had left as each gradient was computed."""
+    out = []
+    for stage in (1, 2):
+        model = build_model(cfg, device)
+        zopt = ZeroOptimizer(model, torch.optim.Adam, stage, bucket_cap_mb=cfg.bucket_mb, lr=cfg.lr)
+        names: list[str] = []
+        seen: list[int] = []
+        for name, p in model.named_parameters():
+            def computed(grad: torch.Tensor, name: str = name) -> None:  # before autograd accumulates it
+                names.append(name)
+                seen.append(zopt.counter.calls.get("reduce_scatter", 0))
+            p.register_hook(computed)
+        x, y = local_batch(cfg, 0, rank, world, device)
+        zopt.zero_grad()
+        lm_loss(model(x), y).backward()
+        out.append(BucketTimeline(
+            stage=stage, buckets=len(zopt.buckets), names=names, reduce_scatters_seen=seen,
+            after_backward=zopt.counter.calls.get("reduce_scatter", 0),
+            full_grad_bytes_after_backward=memory.grad_bytes(model),
+            slice_grad_bytes=sum(memory.tensor_bytes(b.piece.grad) for b in zopt.buckets if b.piece.grad is not None)))
+        zopt.step()  # every rank takes part in the same collectives
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", default="compare", help="comma-separated: compare, exact, crash, resume, reshard")
+    parser.add_argument("--tasks", default="compare", help="comma-separated: compare, exact, timeline, crash, "
+                                                           "resume, reshard")
     parser.add_argument("--methods", default=",".join(METHODS[:5]), help=f"comma-separated from {METHODS}")
     parser.add_argument("--cfg", default=RunConfig().to_json(), help="RunConfig as JSON")
     parser.add_argument("--ckpt-dir", default=None, help="checkpoint folder for crash/resume/reshard")
@@ -207,23 +298,24 @@ def main() -> None:
             raise ValueError(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
     rank, world, device = launch.init_distributed()
     from course_lib.workers import dcp_checkpoint  # imported here: the checkpoint tasks are optional
-    tasks_fn: dict[str, Callable[[], dict]] = {
+    # float64, and two micro-batches per step where the rows allow: equal to Adam under accumulation too
+    exact_cfg = dataclasses.replace(cfg, dtype="float64", accumulation=2 if cfg.batch % (2 * world) == 0 else 1)
+    tasks_fn: dict[str, Callable[[], object]] = {
         "compare": lambda: compare(cfg, methods, rank, world, device),
+        "exact": lambda: compare(exact_cfg, [m for m in methods if m in EXACT_METHODS], rank, world, device),
+        "timeline": lambda: timeline(cfg, rank, world, device),
         "crash": lambda: dcp_checkpoint.crash_run(cfg, a.ckpt_dir, a.every, a.crash_at, device),
         "resume": lambda: dcp_checkpoint.resume_run(cfg, a.ckpt_dir, device),
         "reshard": lambda: dcp_checkpoint.reshard_load(cfg, a.ckpt_dir, device),
     }
-    exact_cfg = RunConfig.from_json(a.cfg)
-    exact_cfg.dtype = "float64"
-    tasks_fn["exact"] = lambda: compare(exact_cfg, [m for m in methods if m in EXACT_METHODS], rank, world, device)
-    result: dict = {"world": world}
+    result = WorkerResult(world=world)
     for t in tasks:
         if t not in tasks_fn:
             raise ValueError(f"unknown task {t!r}; choose from {', '.join(tasks_fn)}")
-        if t not in ("compare", "exact") and not a.ckpt_dir:
+        if t in ("crash", "resume", "reshard") and not a.ckpt_dir:
             raise ValueError(f"task {t!r} needs --ckpt-dir")
-        result[t] = tasks_fn[t]()
-    launch.report(result)
+        setattr(result, t, tasks_fn[t]())
+    launch.report(dataclasses.asdict(result))
     launch.shutdown()
 
 

@@ -1,0 +1,458 @@
+"""Plan a training configuration for a memory budget (chapter 09, the capstone): measure, predict, search.
+
+For every combination of precision (chapter 05), micro-batch with gradient accumulation (chapters 02-03),
+activation checkpointing (chapter 05) and ZeRO stage (chapter 08), predict the peak bytes per device and the
+step time; keep the fastest that fits. The module reads in that order:
+
+1. **measure**: ``train_step`` runs a ``Config``, ``measure_peak`` measures it, ``calibrate`` measures a model once;
+2. **predict**: ``predict_peak``, ``comm_bytes``, ``predict_step_time``: arithmetic on the measurements;
+3. **search**: ``plan`` weighs every candidate, keeps the fastest that fits, and says why.
+
+Memory: a step peaks in the forward/backward pass (states + saved activations + the running op's temporaries:
+affine in the micro-batch ``m``) or in the optimizer step (states + Adam's temporaries: constant). A line through
+whole-step peaks at ``m = 1, 2`` sees the optimizer moment (a maximum of two lines is not a line), so the two are
+measured apart: ``fb`` with the gradients allocated, at ``m = 1, 2``. Checkpointing follows from the bytes one
+block saves (Chen et al. 2016: ``k - 1`` segment inputs kept, at most ``ceil(n/k)`` blocks rebuilt at once); ZeRO
+divides the states (``memory.zero_memory``) and adds what is in flight (chapter 08). Time is relative, since
+timings on a busy machine are noisy: ``A (alpha + beta m)(1 + recompute) + update + communication / bandwidth``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from course_lib import memory
+from course_lib.checkpointing import checkpointed_sequential, fastest_times, recomputed_blocks, segment_plan
+from course_lib.distributed.zero import DEFAULT_BUCKET_MB, bucket_sizes, zero_bytes_per_rank
+from course_lib.models import lm_loss
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+BatchFn = Callable[[int], "tuple[torch.Tensor, torch.Tensor]"]
+MiB = 2**20
+# A backward costs about two forwards (6N FLOPs per token, 2N forward + 4N backward; Kaplan et al. 2020,
+# section 2.1): rerunning a forward costs a third of a step.
+FORWARD_SHARE = 1 / 3
+# One PCIe 4.0 x16 link moves about 25 GB/s in practice (nominal 32 GB/s); pass your interconnect's measured
+# all-reduce bandwidth instead (chapter 06).
+DEFAULT_BANDWIDTH = 25e9
+# The prediction's error measured in chapter 09 is a few percent either way, and allocators fragment.
+DEFAULT_HEADROOM = 0.05
+TIMING_MAX_MICRO = 64  # larger timed passes would slow planning and add little
+
+
+# ----- 1. measure: run a configuration, measure a step, calibrate a model ----------------------
+
+
+@dataclass(frozen=True)
+class Config:
+    """One way to run a training step on each rank."""
+
+    precision: str          # "fp32", or "bf16" autocast (weights, gradients, optimizer state stay fp32)
+    micro_batch: int
+    accumulation_steps: int
+    segments: int           # checkpoint segments over ``model.blocks``; 1 = no checkpointing
+    zero_stage: int         # 0 = plain data parallel (or one device)
+
+    def describe(self) -> str:
+        ckpt = "no checkpointing" if self.segments == 1 else f"checkpointing in {self.segments} segments"
+        return (f"{self.precision}, micro-batch {self.micro_batch} x {self.accumulation_steps} accumulation "
+                f"steps, {ckpt}, ZeRO stage {self.zero_stage}")
+
+
+def autocast(precision: str, device: torch.device | str):
+    """bf16 autocast for ``"bf16"``, nothing for ``"fp32"``."""
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"unknown precision {precision!r}: choose 'fp32' or 'bf16'")
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
+
+
+@contextmanager
+def checkpointing(model: nn.Module, segments: int) -> Iterator[nn.Module]:
+    """Inside the block, ``model.blocks`` runs checkpointed in ``segments`` segments (1: unchanged); restored after.
+
+    The model's forward calls ``self.blocks``: swapping that one child for a checkpointed wrapper of the same
+    blocks (same parameters) changes the step and nothing else, and copies nothing.
+    """
+    if segments == 1:
+        yield model
+        return
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.Sequential):
+        raise ValueError("checkpointing needs a model whose `blocks` attribute is an nn.Sequential")
+    model.blocks = checkpointed_sequential(blocks, segments)
+    try:
+        yield model
+    finally:
+        model.blocks = blocks
+
+
+def train_step(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
+               optimizer: torch.optim.Optimizer, config: Config) -> float:
+    """One optimizer step of ``config`` on one rank's batch; the mean loss."""
+    if len(inputs) != config.micro_batch * config.accumulation_steps:
+        raise ValueError(f"the batch has {len(inputs)} samples; {config.describe()} needs "
+                         f"{config.micro_batch * config.accumulation_steps}")
+    optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    with checkpointing(model, config.segments):
+        for x, y in zip(inputs.split(config.micro_batch), targets.split(config.micro_batch)):
+            with autocast(config.precision, inputs.device):
+                loss = loss_fn(model(x), y) / config.accumulation_steps  # equal micro-batches, equal weights
+            loss.backward()  # frees this micro-batch's activations before the next forward
+            total += loss.item()
+    optimizer.step()
+    return total
+
+
+def measure_peak(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
+                 optimizer: torch.optim.Optimizer, config: Config) -> int:
+    """Measured peak bytes of one ``train_step``, counted as ``predict_peak`` counts (states + batch + transients).
+
+    Call it after a first step (Adam makes its state then). The gradients are freed first: the CPU profiler
+    cannot see the free of a tensor made before it started.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    resident = (memory.param_bytes(model) + memory.optimizer_state_bytes(optimizer)
+                + memory.tensor_bytes(inputs) + memory.tensor_bytes(targets))
+    return resident + memory.peak_bytes(lambda: train_step(model, loss_fn, inputs, targets, optimizer, config),
+                                        inputs.device)
+
+
+@dataclass
+class Measurements:
+    """What ``calibrate`` measured; the inputs of ``predict_peak`` and ``predict_step_time``."""
+
+    n_blocks: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    unit_bytes: int                          # parameters of the largest block (ZeRO-3 gathers one whole)
+    bucket_bytes: int                        # the largest gradient bucket of ZeroOptimizer (ZeRO-2 reduces one whole)
+    gloo: bool                               # ranks on the CPU: gloo, whose reduce-scatter copies its input first
+    batch_bytes_per_sample: int              # inputs + targets
+    fb: dict[str, tuple[float, float]]       # precision -> (c, d): forward+backward peak above the states
+    block: dict[str, tuple[float, float]]    # precision -> (c, d): bytes one block saves for backward
+    boundary_per_sample: dict[str, float]    # precision -> bytes of one block's output per sample
+    time: dict[str, tuple[float, float]]     # precision -> (alpha, beta): seconds of one micro-batch
+    timing_micro: int                        # the second micro-batch the time line was measured at
+    optimizer_tmp_bytes: int
+    optimizer_s: float
+    block_flop_share: float                  # fraction of the forward FLOPs spent in ``model.blocks``
+
+
+@contextmanager
+def _left_as_it_was(model: nn.Module) -> Iterator[None]:
+    """Restore the mode, the buffers, every module's extra state (MABN's step) and the gradients afterwards."""
+    mode, grads = model.training, [(p, p.grad) for p in model.parameters()]
+    buffers = [(v, v.clone()) for v in model.buffers()]  # BatchNorm's running statistics and counts
+    extra = [(m, copy.deepcopy(m.get_extra_state())) for m in model.modules()
+             if type(m).get_extra_state is not nn.Module.get_extra_state]
+    for p, _ in grads:
+        p.grad = None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for v, saved in buffers:
+                v.copy_(saved)
+        for m, state in extra:
+            m.set_extra_state(state)
+        for p, g in grads:
+            p.grad = g
+        model.train(mode)
+
+
+def default_batch(model: nn.Module, sample_shape: tuple[int, ...],
+                  device: torch.device | str) -> tuple[BatchFn, LossFn]:
+    """Random batches and a loss: token ids and ``lm_loss`` for a model with an embedding (``sample_shape =
+    (seq_len,)``), else inputs of ``sample_shape`` (e.g. ``(3, 32, 32)``) and cross-entropy over its outputs."""
+    gen = torch.Generator().manual_seed(0)  # private: planning leaves the global RNG alone
+    emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if emb is not None:
+        if len(sample_shape) != 1:
+            raise ValueError(f"a token model takes samples of shape (seq_len,), got {tuple(sample_shape)}")
+        def tokens(m: int):
+            idx = torch.randint(0, emb.num_embeddings, (m, sample_shape[0] + 1), generator=gen)
+            return idx[:, :-1].to(device), idx[:, 1:].to(device)
+        return tokens, lm_loss
+    with _left_as_it_was(model), torch.no_grad():  # one forward for the number of classes
+        classes = model(torch.zeros(1, *sample_shape, device=device)).shape[-1]
+    return (lambda m: (torch.randn(m, *sample_shape, generator=gen).to(device),
+                       torch.randint(0, classes, (m,), generator=gen).to(device))), F.cross_entropy
+
+
+def _line(x1: float, y1: float, x2: float, y2: float) -> tuple[float, float]:
+    d = (y2 - y1) / (x2 - x1)
+    return y1 - d * x1, d
+
+
+def calibrate(model: nn.Module, make_batch: BatchFn, loss_fn: LossFn, device: torch.device,
+              precisions: tuple[str, ...], max_micro: int, budget: int,
+              bucket_cap_mb: float = DEFAULT_BUCKET_MB) -> Measurements:
+    """Measure ``model`` in place on ``device`` and leave it as it was (Adam with ``lr=0`` moves no weight).
+
+    Memory at micro-batches 1 and 2 (each part is affine in the micro-batch: two points give exact lines), what
+    one block saves for backward, the time of a pass at 1 and at the largest power of two up to ``max_micro``
+    whose predicted peak fits ``budget``, the optimizer step, and the share of the forward FLOPs in the blocks.
+    """
+    blocks = model.blocks if isinstance(getattr(model, "blocks", None), nn.Sequential) else nn.Sequential()
+    x1, y1 = make_batch(1)
+    fb, blk, bnd, passes, block_in = {}, {}, {}, {}, {}
+    with _left_as_it_was(model):
+        model.train()
+        opt = torch.optim.Adam(model.parameters(), lr=0.0)  # lr=0: the same state and temporaries, no update
+        for prec in precisions:
+            def fwd_bwd(x, y, prec=prec):
+                with autocast(prec, device):
+                    loss = loss_fn(model(x), y)
+                loss.backward()
+            fwd_bwd(x1, y1)
+            opt.step()  # gradients and Adam's state exist from here on: measured above them
+            peaks, saved = [], []
+            for m in (1, 2):
+                x, y = make_batch(m)
+                peaks.append(memory.peak_bytes(lambda: fwd_bwd(x, y), device))
+                if len(blocks):  # what one block saves, and its output (a segment boundary)
+                    hook = blocks.register_forward_pre_hook(lambda mod, args: block_in.update({m: args[0].detach()}))
+                    with torch.no_grad():
+                        model(x)
+                    hook.remove()
+                    with autocast(prec, device):
+                        saved.append(memory.saved_activation_bytes(lambda: blocks[0](block_in[m]),
+                                                                   blocks[0].parameters()))
+                        bnd[prec] = memory.tensor_bytes(blocks[0](block_in[m])) / m
+            fb[prec] = _line(1, peaks[0], 2, peaks[1])
+            blk[prec] = _line(1, saved[0], 2, saved[1]) if saved else (0.0, 0.0)
+            passes[prec] = fwd_bwd
+        opt_tmp = memory.peak_bytes(opt.step, device)
+        states = memory.param_bytes(model) + memory.grad_bytes(model) + memory.optimizer_state_bytes(opt)
+        batch_bytes = sum(memory.tensor_bytes(t) for t in (x1, y1))
+        fits = lambda m: all(states + batch_bytes * m + c + d * m <= budget for c, d in fb.values())  # noqa: E731
+        tm = max([2**i for i in range(int(math.log2(max_micro)) + 1) if fits(2**i)], default=1)
+        xt, yt = make_batch(tm)
+        sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+        steps = {"opt": lambda: (opt.step(), sync())}
+        for prec, f in passes.items():
+            steps[f"{prec}/1"] = lambda f=f: (f(x1, y1), sync())
+            steps[f"{prec}/{tm}"] = lambda f=f: (f(xt, yt), sync())
+        best = fastest_times(steps, repeats=3)  # in turns, fastest of three: the least disturbed run
+        share = 0.0
+        if len(blocks):  # the FLOP share of the blocks: what checkpointing reruns
+            with torch.no_grad(), FlopCounterMode(display=False) as total_flops:
+                model(x1)
+            with torch.no_grad(), FlopCounterMode(display=False) as block_flops:
+                blocks(block_in[1])
+            share = block_flops.get_total_flops() / max(total_flops.get_total_flops(), 1)
+        counts = dict(param_bytes=memory.param_bytes(model), grad_bytes=memory.grad_bytes(model),
+                      optimizer_bytes=memory.optimizer_state_bytes(opt))
+    times = {}
+    for prec in precisions:
+        t1, tb = best[f"{prec}/1"], best[f"{prec}/{tm}"]
+        alpha, beta = _line(1, t1, tm, tb) if tm > 1 else (0.0, t1)
+        # noise can make the slope <= 0: keep it positive, so a larger micro-batch never looks slower
+        times[prec] = (max(alpha, 0.0), max(beta, 1e-3 * tb / tm))
+    units = [memory.param_bytes(b) for b in blocks] or [memory.param_bytes(c) for c in model.children()] or [0]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return Measurements(n_blocks=len(blocks), **counts, unit_bytes=max(units),
+                        bucket_bytes=max(bucket_sizes(trainable, bucket_cap_mb), default=0),
+                        gloo=device.type == "cpu", batch_bytes_per_sample=batch_bytes, fb=fb, block=blk,
+                        boundary_per_sample=bnd, time=times, timing_micro=tm, optimizer_tmp_bytes=opt_tmp,
+                        optimizer_s=best["opt"], block_flop_share=share)
+
+
+# ----- 2. predict: arithmetic on the measurements -------------------------------------------
+
+
+def predict_peak(meas: Measurements, config: Config, world_size: int = 1) -> dict:
+    """Predicted peak bytes on one rank: ``params, grads, optimizer, batch, transient, total`` and ``where``.
+
+    ``transient`` is the larger of the forward/backward part (activations, temporaries, what ZeRO has in flight)
+    and the optimizer step's temporaries; ``where`` names it. The forward/backward part assumes the gradients
+    exist, as they do from the second micro-batch on: a single micro-batch is overstated by up to its gradients,
+    never understated (at any moment of its backward some exist, and no more activations than at the start).
+    """
+    n, k, m, s, N = meas.n_blocks, config.segments, config.micro_batch, config.zero_stage, world_size
+    c, d = meas.fb[config.precision]
+    fb = c + d * m
+    if k > 1:  # keep k-1 segment inputs; rebuild one segment (at most ceil(n/k) blocks) at a time
+        # Only the per-sample part of a block's saves goes: the constant part is bf16 weight copies (and
+        # buffers), which autocast's cache keeps to the end of the forward pass, checkpointed or not.
+        per_sample = meas.block[config.precision][1]
+        rebuilt = max(len(r) for r in segment_plan(n, k))
+        fb -= ((n - rebuilt) * per_sample - (k - 1) * meas.boundary_per_sample[config.precision]) * m
+    # the states: ZeRO's formula, with the model's measured bytes as the bytes of one "parameter"
+    states = zero_bytes_per_rank(1, N, s, meas.param_bytes, meas.grad_bytes, meas.optimizer_bytes)
+    in_flight = 0.0
+    if N > 1 and s == 2:  # ZeroOptimizer: one bucket's full gradient (plus gloo's copy of it) and its slice
+        in_flight = meas.bucket_bytes * (1 + meas.gloo + 1 / N)
+    elif N > 1 and s == 3:  # FSDP2: one block gathered, the next prefetched, one block's gradient (and gloo's copy)
+        in_flight = meas.unit_bytes * (3 + meas.gloo)
+    opt_tmp = meas.optimizer_tmp_bytes / (N if s >= 1 else 1)  # the update runs on this rank's shard
+    parts = dict(**states, batch=meas.batch_bytes_per_sample * m * config.accumulation_steps,
+                 transient=max(fb + in_flight, opt_tmp))
+    out: dict = {key: int(math.ceil(v)) for key, v in parts.items()}
+    out["total"] = sum(out.values())
+    out["where"] = "forward/backward" if fb + in_flight >= opt_tmp else "optimizer step"
+    return out
+
+
+def comm_bytes(param_bytes: int, config: Config, world_size: int) -> float:
+    """Bytes one rank sends per optimizer step, in ring collectives (chapter 08), accumulation included.
+
+    DDP (accumulating under ``no_sync``) and ZeRO-1 send twice the ring share ``(N-1)/N x P`` once per step.
+    Sharded gradients cannot accumulate locally: ZeRO-2 reduce-scatters after every micro-batch and all-gathers
+    once (A + 1); ZeRO-3 also gathers the parameters for every forward and backward (3A). (FSDP2's
+    ``set_requires_gradient_sync(False)`` keeps unsharded gradients instead: less traffic, more memory.)
+    """
+    share = (world_size - 1) / world_size * param_bytes
+    a = config.accumulation_steps
+    return share * {0: 2, 1: 2, 2: a + 1, 3: 3 * a}[config.zero_stage]
+
+
+def predict_step_time(meas: Measurements, config: Config, world_size: int = 1,
+                      bandwidth: float = DEFAULT_BANDWIDTH) -> float:
+    """Predicted seconds of one optimizer step: good for ranking configurations, rough in absolute terms."""
+    alpha, beta = meas.time[config.precision]
+    recompute = 0.0
+    if config.segments > 1:
+        recompute = (FORWARD_SHARE * meas.block_flop_share
+                     * recomputed_blocks(meas.n_blocks, config.segments) / meas.n_blocks)
+    compute = config.accumulation_steps * (alpha + beta * config.micro_batch) * (1 + recompute)
+    update = meas.optimizer_s / (world_size if config.zero_stage >= 1 else 1)
+    return compute + update + comm_bytes(meas.param_bytes, config, world_size) / bandwidth
+
+
+# ----- 3. search: every candidate, the fastest that fits, and why ------------------------------
+
+
+@dataclass
+class Candidate:
+    """One (precision, segments, stage) at its largest fitting micro-batch (at micro-batch 1 if none fits)."""
+
+    config: Config
+    fits: bool
+    peak: dict                               # predict_peak of config
+    samples_per_s: float                     # 0 when it does not fit
+
+
+@dataclass
+class Plan:
+    """What ``plan`` chose, why, and every candidate it weighed."""
+
+    config: Config
+    predicted_peak_bytes: int
+    predicted_samples_per_s: float
+    budget_bytes: int
+    world_size: int
+    peak: dict
+    explanation: str
+    candidates: list[Candidate] = field(default_factory=list)
+    measurements: Measurements | None = None
+
+    def table(self, limit: int | None = None) -> str:
+        """The candidates, fastest first (then those that do not fit), one line each."""
+        rows = [f"{'precision':>9} {'segments':>8} {'ZeRO':>4} {'micro':>5} {'accum':>5} {'peak MiB':>9} "
+                f"{'samples/s':>9}"]
+        for c in sorted(self.candidates, key=lambda c: (-c.samples_per_s, c.peak["total"]))[:limit]:
+            m, a = (c.config.micro_batch, c.config.accumulation_steps) if c.fits else ("-", "-")
+            note = "  <- chosen" if c.config == self.config else ("" if c.fits else "  (micro-batch 1 too big)")
+            rows.append(f"{c.config.precision:>9} {c.config.segments:>8} {c.config.zero_stage:>4} {m:>5} {a:>5} "
+                        f"{c.peak['total'] / MiB:9.1f} {c.samples_per_s:9.1f}{note}")
+        return "\n".join(rows)
+
+
+def segment_options(n_blocks: int) -> list[int]:
+    """For each size of the largest segment, the fewest segments that give it (fewer segments recompute less).
+
+    A block saves far more than its output, so more segments keep lowering the peak, past Chen's ``sqrt(n)``.
+    """
+    sizes = {math.ceil(n_blocks / k) for k in range(1, n_blocks + 1)}
+    return sorted(min(k for k in range(1, n_blocks + 1) if math.ceil(n_blocks / k) == s) for s in sizes) or [1]
+
+
+def _parts(peak: dict) -> str:
+    return ", ".join(f"{k} {peak[k] / MiB:.1f}" for k in ("params", "grads", "optimizer", "batch", "transient"))
+
+
+def plan(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, memory_budget_bytes: int,
+         world_size: int = 1, *, loss_fn: LossFn | None = None, make_batch: BatchFn | None = None,
+         device: torch.device | str | None = None, precisions: tuple[str, ...] | None = None,
+         headroom: float = DEFAULT_HEADROOM, bandwidth: float = DEFAULT_BANDWIDTH,
+         bucket_cap_mb: float = DEFAULT_BUCKET_MB) -> Plan:
+    """The fastest predicted configuration whose peak bytes per device fit ``memory_budget_bytes``, with Adam.
+
+    ``global_batch`` samples of shape ``sample_shape`` per step are split evenly over ``world_size`` ranks; each
+    runs micro-batches (a divisor of its share) with accumulation, in fp32 or bf16 autocast, checkpointing
+    ``model.blocks`` or not, at a ZeRO stage (0-3; stage 2 as ``ZeroOptimizer`` with ``bucket_cap_mb``). The
+    predicted peak must fit ``(1 - headroom)`` of the budget. ``loss_fn`` and ``make_batch(m) -> (inputs,
+    targets)`` default to ``default_batch``'s. The model is measured in place on ``device`` (default: where its
+    parameters are) and left as it was. Raises ``ValueError`` when nothing fits, saying what the smallest needs.
+    """
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    if world_size < 1 or global_batch < 1 or memory_budget_bytes <= 0 or not 0 <= headroom < 1:
+        raise ValueError(f"need world_size >= 1, global_batch >= 1, a positive budget and 0 <= headroom < 1; "
+                         f"got {world_size}, {global_batch}, {memory_budget_bytes}, {headroom}")
+    if global_batch % world_size:
+        raise ValueError(f"global batch {global_batch} does not split evenly over {world_size} ranks: "
+                         f"use a multiple of {world_size}")
+    per_rank, usable = global_batch // world_size, int(memory_budget_bytes * (1 - headroom))
+    budget_text = f"{memory_budget_bytes / MiB:.1f} MiB per device ({usable / MiB:.1f} usable)"
+    states = 4 * memory.param_bytes(model) / world_size  # weights, gradients, Adam's 2 moments: ZeRO-3 at best
+    if states > usable:
+        raise ValueError(f"nothing fits {budget_text}: the model states alone need {states / MiB:.1f} MiB even "
+                         f"fully sharded over {world_size} rank(s). Use a smaller model or more ranks.")
+    if precisions is None:
+        bf16 = device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_bf16_supported())
+        precisions = ("fp32", "bf16") if bf16 else ("fp32",)
+    default_make, default_loss = default_batch(model, tuple(sample_shape), device)
+    try:
+        meas = calibrate(model, make_batch or default_make, loss_fn or default_loss, device, precisions,
+                         min(per_rank, TIMING_MAX_MICRO), usable, bucket_cap_mb)
+    except torch.OutOfMemoryError as exc:
+        raise ValueError(f"the device ran out of memory measuring micro-batches 1 and 2 of this model: it does "
+                         f"not fit {budget_text}. Use a smaller model or more ranks.") from exc
+    divisors = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+    candidates = []
+    for prec in precisions:
+        for k in segment_options(meas.n_blocks):
+            for s in [0] if world_size == 1 else [0, 1, 2, 3]:
+                cfgs = [Config(prec, m, per_rank // m, k, s) for m in divisors]
+                ok = [c for c in cfgs if predict_peak(meas, c, world_size)["total"] <= usable]
+                cfg = ok[-1] if ok else cfgs[0]  # the largest micro-batch: fewest passes, least fixed cost
+                speed = global_batch / predict_step_time(meas, cfg, world_size, bandwidth) if ok else 0.0
+                candidates.append(Candidate(cfg, bool(ok), predict_peak(meas, cfg, world_size), speed))
+    fits = sorted((c for c in candidates if c.fits), key=lambda c: -c.samples_per_s)
+    if not fits:
+        small = min(candidates, key=lambda c: c.peak["total"])
+        raise ValueError(f"nothing fits {budget_text}: the smallest configuration ({small.config.describe()}) "
+                         f"needs {small.peak['total'] / MiB:.1f} MiB ({_parts(small.peak)} MiB). Use a budget of at "
+                         f"least {small.peak['total'] / (1 - headroom) / MiB:.1f} MiB, a smaller model or shorter "
+                         "samples, or more ranks (ZeRO-3 divides the model states by the world size).")
+    best, cfg = fits[0], fits[0].config
+    why = [f"Chosen: {cfg.describe()}. Predicted peak {best.peak['total'] / MiB:.1f} MiB of {budget_text} "
+           f"({_parts(best.peak)} MiB; the peak is in the {best.peak['where']}), about {best.samples_per_s:.0f} "
+           "samples/s."]
+    bigger = [m for m in divisors if m > cfg.micro_batch]
+    if bigger:
+        nxt = Config(cfg.precision, bigger[0], per_rank // bigger[0], cfg.segments, cfg.zero_stage)
+        why.append(f"Micro-batch {bigger[0]} would need {predict_peak(meas, nxt, world_size)['total'] / MiB:.1f} MiB.")
+    if len(fits) > 1:
+        why.append(f"Runner-up: {fits[1].config.describe()}, {fits[1].samples_per_s:.0f} samples/s.")
+    if "bf16" in meas.time and "fp32" in meas.time:
+        t = {p: a + b * meas.timing_micro for p, (a, b) in meas.time.items()}
+        why.append(f"A micro-batch of {meas.timing_micro} took {t['bf16'] / t['fp32']:.2f}x as long in bf16 as in "
+                   "fp32 here.")
+    if cfg.micro_batch < per_rank and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        why.append(f"BatchNorm will see micro-batches of {cfg.micro_batch}, not the batch: consider GroupNorm "
+                   "(chapter 04).")
+    return Plan(cfg, best.peak["total"], best.samples_per_s, memory_budget_bytes, world_size, best.peak,
+                " ".join(why), candidates, meas)
