@@ -39,7 +39,7 @@ from torch import nn
 
 from course_lib import memory
 from course_lib.distributed import comm
-from course_lib.distributed.ddp import MB, assign_buckets
+from course_lib.distributed.ddp import MiB, assign_buckets
 
 # Optimizers whose update of one element depends only on that element's
 # parameter, gradient and state (plus shared scalars such as the step count).
@@ -86,7 +86,7 @@ def zero_bytes_per_rank(num_params: float, world_size: int, stage: int, param_by
 def bucket_sizes(params: list[torch.Tensor], bucket_cap_mb: float = DEFAULT_BUCKET_MB) -> list[int]:
     """Bytes of each bucket ``ZeroOptimizer`` (and ``ddp.BucketedDDP``) makes of ``params``, before padding."""
     nbytes = [memory.tensor_bytes(p) for p in params]
-    return [sum(nbytes[i] for i in b) for b in assign_buckets(nbytes, bucket_cap_mb * MB)]
+    return [sum(nbytes[i] for i in b) for b in assign_buckets(nbytes, bucket_cap_mb * MiB)]
 
 
 @dataclass(eq=False)
@@ -159,7 +159,7 @@ class ZeroOptimizer:
         self.buckets: list[_Bucket] = []
         self.bucket_of: dict[int, tuple[int, int]] = {}  # parameter index -> (its bucket, its offset there)
         start = 0
-        for idx in assign_buckets([memory.tensor_bytes(p) for p in self.params], bucket_cap_mb * MB):
+        for idx in assign_buckets([memory.tensor_bytes(p) for p in self.params], bucket_cap_mb * MiB):
             sizes = [self.params[i].numel() for i in idx]
             offsets = list(itertools.accumulate(sizes[:-1], initial=0))
             self.bucket_of.update({i: (len(self.buckets), o) for i, o in zip(idx, offsets)})
