@@ -33,6 +33,7 @@ from typing import Callable
 
 from course_lib.grading.exercise import BEGIN_HIDDEN, Catalog, Exercise, GradingError, notebook_from_bytes
 from course_lib.grading.grade import GradeResult, grade_notebook, points_text
+from course_lib.grading.isolation import detect
 
 
 @dataclass
@@ -144,7 +145,7 @@ def grade_folder(folder: Path | str, timeout: int = 60, solutions: Path | str | 
     for sub in lost:  # one at a time, so that a notebook that kills its worker only loses itself
         if _run_pool([sub], settings, 1, progress):
             sub.problem = ("grading this notebook killed the grader's worker process (twice): it was not "
-                           "graded; isolation " + (isolation or "auto") + " could not stop it")
+                           f"graded; isolation {isolation or detect()} could not stop it")
             if progress:
                 progress(sub)
     return subs
