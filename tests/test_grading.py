@@ -206,6 +206,78 @@ def test_every_test_cell_says_what_its_answer_must_not_call():
                 assert name.rsplit(".", 1)[1] in text.replace("\\n", " "), f"{path.name} never names {name}"
 
 
+MISTAKES = {  # chapter -> solution cells replaced by an answer with a mistake its instructions name
+    "01_memory_anatomy": {"q1_training_state_bytes": '''
+def training_state_bytes(model, optimizer):
+    buffers = {"sgd": 0, "momentum": 1, "adam": 2}
+    if optimizer not in buffers:
+        raise ValueError(optimizer)
+    params = list(model.parameters())
+    total = sum(p.numel() * p.element_size() for p in params)   # frozen parameters counted as trainable
+    return {"params": total, "grads": total,
+            "optimizer": buffers[optimizer] * total + (4 * len(params) if optimizer == "adam" else 0)}'''},
+    "03_gradient_accumulation": {"q3_token_accumulation_step": '''
+def token_accumulation_step(model, micro_batches):
+    total_tokens = sum(int((t != -100).sum()) for _, t in micro_batches)
+    if total_tokens == 0:
+        raise ValueError("no real token")
+    model.zero_grad()
+    total = 0.0
+    for x, t in micro_batches:
+        if not (t != -100).any():
+            continue                       # skips the model on a micro-batch of padding only
+        logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), t.reshape(-1), ignore_index=-100,
+                               reduction="sum") / total_tokens
+        loss.backward()
+        total += loss.item()
+    return total'''},
+    "06_data_parallel": {"q1_average_gradients": '''
+def average_gradients(per_rank):
+    if not per_rank or len({len(g) for g in per_rank}) != 1:
+        raise ValueError("ragged")
+    out = []
+    for grads in zip(*per_rank):
+        present = [g for g in grads if g is not None]
+        out.append(None if not present else sum(present) / len(present))   # divides by the ranks that used it
+    return out''', "q3_ring_all_reduce": '''
+def ring_all_reduce(tensors):
+    n = len(tensors)
+    chunks = [list(torch.tensor_split(t, n)) for t in tensors]   # views of the inputs, changed in place below
+    sent = [0] * n
+    for phase in ("reduce-scatter", "all-gather"):
+        for s in range(n - 1):
+            index = [(r - s) % n if phase == "reduce-scatter" else (r + 1 - s) % n for r in range(n)]
+            messages = [chunks[r][index[r]].clone() for r in range(n)]
+            for r, payload in enumerate(messages):
+                dst = (r + 1) % n
+                if phase == "reduce-scatter":
+                    chunks[dst][index[r]] += payload
+                else:
+                    chunks[dst][index[r]].copy_(payload)
+                sent[r] += payload.numel()
+    return [torch.cat(c) for c in chunks], sent'''},
+}
+
+
+@pytest.mark.parametrize("stem", sorted(MISTAKES))
+def test_visible_tests_catch_the_mistakes_the_instructions_name(stem, tmp_path):
+    import adversarial
+
+    wrong = MISTAKES[stem]
+    cells = {c.metadata["nbgrader"]["grade_id"]: adversarial.solution_source(stem, c.metadata["nbgrader"]["grade_id"])
+             for c in nbformat.read(ROOT / "solutions" / f"{stem}.ipynb", as_version=4).cells
+             if c.metadata.get("nbgrader", {}).get("solution")}
+    path = adversarial.Attack("mistakes", stem, honest=0, what="", cells={**cells, **wrong}).write(tmp_path)
+    result = grade_notebook(path, timeout=60, hidden=False)  # what `course check` runs: the visible tests only
+    for q in result.questions:
+        ex = load_exercise(stem).question(q.name)
+        if ex.solution_id in wrong:
+            assert q.status == "failed" and not q.hidden, f"{q.name}: the visible tests miss the mistake: {q}"
+        else:
+            assert q.status == "passed", q
+
+
 # ----- generation ------------------------------------------------------------------------------
 
 
