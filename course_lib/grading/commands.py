@@ -114,7 +114,7 @@ def check(args: argparse.Namespace) -> int:
     for q in result.questions:
         hint = ex.question(q.name).hint
         word = "to do" if q.message.startswith("not implemented") else STATUS_WORD[q.status]
-        head = f"  [{word}] {q.name} ({points_text(q.max_score)} points)"
+        head = f"  [{word}] {q.name} ({points_text(q.max_score)} point{'' if q.max_score == 1 else 's'})"
         print(head if q.status == "passed" else f"{head}: {q.message}")
         # a hint helps with the function, not with another cell that raised or a dead kernel
         helps = q.status in ("failed", "timeout") or q.message.startswith("your code raised")
