@@ -720,9 +720,8 @@ def test_check_works_in_the_learners_copy_from_its_visible_tests(released, tmp_p
     assert run.returncode != 0 and "learner's copy" in run.stderr, "no hidden tests to grade with in the copy"
 
 
-def test_release_refuses_a_folder_in_use(tmp_path):
+def test_release_refuses_a_folder_in_use(tmp_path, capsys):
     (tmp_path / "x.txt").write_text("mine")
-    run = _course("release", str(tmp_path))
-    assert run.returncode == 2 and "not empty" in run.stderr
-    run = _course("release", str(ROOT / "notebooks" / "copy"))
-    assert run.returncode == 2 and "choose another" in run.stderr
+    assert cli.main(["release", str(tmp_path)]) == 2 and "not empty" in capsys.readouterr().err
+    assert cli.main(["release", str(ROOT / "notebooks" / "copy")]) == 2 and "choose another" in capsys.readouterr().err
+    assert not (ROOT / "notebooks" / "copy").exists()

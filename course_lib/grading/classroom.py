@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from course_lib.grading.exercise import BEGIN_HIDDEN, Catalog, Exercise, GradingError, notebook_from_bytes
+from course_lib.grading.exercise import Catalog, Exercise, GradingError, is_test_cell, notebook_from_bytes
 from course_lib.grading.grade import GradeResult, grade_notebook, points_text
 from course_lib.grading.isolation import detect
 
@@ -229,9 +229,14 @@ def summary_csv(rows: list[dict]) -> str:
 
 
 def hidden_snippets(ex: Exercise, shortest: int = 8) -> set[str]:
-    """Text of the hidden tests that feedback must never quote: their lines and their string literals."""
+    """Text of the hidden tests that feedback must never quote: their lines and their string literals, less
+    what the exercise shows anyway (its text, its setup, its visible tests)."""
     import ast
 
+    public = [c.source for c in ex.notebook.cells if not is_test_cell(c)]
+    public += [sec.source for q in ex.questions if q.visible for sec in (q.visible.inputs, q.visible.answers,
+                                                                          q.visible.checks)]
+    shown = "\n".join(public)
     found: set[str] = set()
     for q in ex.questions:
         if q.hidden is None:
@@ -241,7 +246,7 @@ def hidden_snippets(ex: Exercise, shortest: int = 8) -> set[str]:
             for node in ast.walk(ast.parse(section.source)):
                 if isinstance(node, ast.Constant) and isinstance(node.value, str) and len(node.value) >= shortest:
                     found.add(node.value)
-    return found - {BEGIN_HIDDEN}
+    return {s for s in found if s not in shown}
 
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]{0,60}")

@@ -9,7 +9,7 @@
    empty ``/tmp``, ``/var/tmp`` and ``/dev/shm`` of its own, keeping only its
    work folder;
 2. forks the kernel: its own session, no privileges (a user id of its own
-   when the grader is root; no capabilities, ``no_new_privs`` either way),
+   when the grader is root; no capabilities and ``no_new_privs`` in namespaces),
    a clean environment, the work folder as its home and current folder,
    ``python -I`` so that neither that folder nor ``PYTHONPATH`` is on
    ``sys.path`` (the trusted ``course_lib`` is put first explicitly);
@@ -25,7 +25,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import resource
 import sys
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND = 1, 2, 4, 8, 4096
@@ -136,10 +135,13 @@ def main(config_path: str, kernel_args: list[str]) -> None:
 
     def become_kernel() -> None:
         for name, value in cfg.get("rlimits", {}).items():
+            import resource  # POSIX only, like the limits themselves
+
             resource.setrlimit(getattr(resource, f"RLIMIT_{name}"), (value, value))
         os.chdir(workdir)
         os.umask(0o077)
-        _drop_privileges(uid, gid)
+        if uid is not None or cfg["namespaces"]:  # without either, it runs as the instructor: nothing to drop
+            _drop_privileges(uid, gid)
         os.execve(cfg["python"], argv, cfg["env"])
 
     if not cfg["namespaces"]:
