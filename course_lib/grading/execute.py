@@ -23,10 +23,8 @@ import math
 import os
 import re
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from queue import Empty
 
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager

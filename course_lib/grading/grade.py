@@ -30,7 +30,7 @@ from nbformat import NotebookNode
 from course_lib.grading import forbid, wire
 from course_lib.grading.checker import Checker, Verdict, reseed_source, uses_torch
 from course_lib.grading.exercise import (
-    Exercise, GradingError, Question, find_exercise, grade_id, is_test_cell, notebook_from_bytes,
+    Exercise, Question, find_exercise, grade_id, is_test_cell, notebook_from_bytes,
 )
 from course_lib.grading.execute import CellRun, run_notebook
 from course_lib.grading.isolation import Sandbox, detect
@@ -138,9 +138,8 @@ def build_run_notebook(learner: NotebookNode, ex: Exercise,
     # cells after the last test belong to no question: running them could only cost time
     last = max(test_at.values())
     del nb.cells[last + 1:], labels[last + 1:]
-    for name, at in test_at.items():
-        if labels[at] != "the test cell":
-            labels[at] = "the test cell"
+    for at in test_at.values():
+        labels[at] = "the test cell"
     return nb, labels, test_at
 
 
