@@ -691,6 +691,7 @@ def test_release_holds_no_solution_and_no_hidden_test_line(released):
     lines = _hidden_test_lines()
     assert len(lines) > 200, f"only {len(lines)} hidden lines found: the search is broken"
     assert not (released / "solutions").exists() and not (released / "tests").exists()
+    assert not (released / "benchmarks" / "bench_grading.py").exists(), "it needs the solutions"
     for path in released.rglob("*"):
         if path.is_file():
             text = path.read_bytes().decode("utf-8", errors="ignore")

@@ -3,7 +3,7 @@
 It holds the lecture notebooks, ``course_lib``, the exercises (generated
 afresh from the solutions, so never stale), the data card, the README, the
 docs, the benchmarks and the install files. It leaves out ``solutions/``, the
-tests (which read the solutions) and anything built. Before it returns, it
+tests and the grading benchmark (which read the solutions) and anything built. Before it returns, it
 reads every file it wrote for any line of any hidden test (lines the
 exercises also show are public and allowed) and fails if it finds one. In
 the copy, ``course check`` runs the visible tests from ``exercises/``.
@@ -20,7 +20,8 @@ from course_lib.grading.exercise import ROOT, Catalog, GradingError, split_test
 
 INCLUDE = ["README.md", "pyproject.toml", "environment.yml", "Makefile", ".gitignore", "notebooks", "course_lib",
            "data/README.md", "data/shapes_examples.jpg", "docs", "benchmarks", "exercises/README.md"]
-SKIP = shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints", "build", "*.egg-info")
+# bench_grading grades the exercises with their solutions: an instructor's benchmark
+SKIP = shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints", "build", "*.egg-info", "bench_grading.py")
 MARKER = ".course-release"
 SHORTEST = 10  # characters: a shorter line ("else:", "return m") says nothing about a test
 
