@@ -164,11 +164,15 @@ class Sandbox:
             raise GradingError(
                 f"a kernel running as another user cannot reach {', '.join(blocked)}, where this Python or the "
                 "course lives; install them where other users can read them, or set COURSE_GRADER_ISOLATION=none")
+        env = kernel_env(self.work, self.threads)
+        namespaces = self.mode in ("namespaces+uid", "namespaces")
+        if not namespaces:  # the kernel's parent is this process: ipykernel then exits if it dies
+            env["JPY_PARENT_PID"] = str(os.getpid())
         config = {
             "workdir": str(self.work), "uid": self.uid, "gid": self.uid, "hide": self.hidden, "expose": blocked,
-            "namespaces": self.mode in ("namespaces+uid", "namespaces"),
+            "namespaces": namespaces,
             "own_temp": not any(_within(n, Path(t)) for n in _needed() for t in ("/tmp", "/var/tmp", "/dev/shm")),
-            "python": sys.executable, "sys_path": [str(ROOT)], "env": kernel_env(self.work, self.threads),
+            "python": sys.executable, "sys_path": [str(ROOT)], "env": env,
             "connection_file": str(self.connection_file),
             "rlimits": RLIMITS if self.uid is not None else {},
         }
