@@ -7,8 +7,9 @@
     course bench [--json]                                 speed and memory ratios (benchmarks/)
     course site [--build DIR]                             static HTML of the executed course
     course assign                                         regenerate exercises/ from solutions/
-    course grade NOTEBOOK|FOLDER [--timeout S] [--json]   grade a learner's notebook (or a class)
+    course grade NOTEBOOK|FOLDER [-j N] [--timeout S]     grade a learner's notebook (or a class)
     course check NOTEBOOK                                 run the visible tests, with hints
+    course release DEST                                   the learner's copy: no solutions, no hidden tests
 """
 
 from __future__ import annotations
@@ -144,15 +145,25 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("assign", help="regenerate exercises/ from solutions/")
     p.add_argument("--check", action="store_true", help="fail if exercises/ is out of date, write nothing")
     p.set_defaults(func=_cmd_grading)
-    p = sub.add_parser("grade", help="grade a notebook, or every notebook in a folder into a CSV")
+    p = sub.add_parser("grade", help="grade a notebook, or every notebook in a folder (CSV, summary, feedback)")
     p.add_argument("notebook", help="a learner's .ipynb, or a folder of them")
     p.add_argument("--timeout", type=int, default=60, help="seconds allowed per cell (default 60)")
+    p.add_argument("--notebook-timeout", type=float, default=None, metavar="S",
+                   help="seconds allowed for all the cells of one notebook (default: ten cells' worth, at least 120)")
+    p.add_argument("-j", "--jobs", type=int, default=1, help="with a folder: notebooks graded in parallel (default 1)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.add_argument("--csv", help="with a folder: where to write the CSV (default: <folder>/grades.csv)")
+    p.add_argument("--csv", help="with a folder: where to write the CSV (default: <folder>/grades.csv); the JSON "
+                                 "and the summary go beside it")
+    p.add_argument("--feedback", help="with a folder: the folder of per-student feedback files (default: "
+                                      "feedback/ beside the CSV; 'none' for none)")
     p.set_defaults(func=_cmd_grading)
-    p = sub.add_parser("check", help="run an exercise's visible tests, with hints")
+    p = sub.add_parser("check", help="run an exercise's visible tests the way the grader does, with hints")
     p.add_argument("notebook")
     p.add_argument("--timeout", type=int, default=60)
+    p.set_defaults(func=_cmd_grading)
+    p = sub.add_parser("release", help="write the learner's copy of the course: no solutions, no hidden tests")
+    p.add_argument("dest", help="a new (or empty) folder")
+    p.add_argument("--force", action="store_true", help="replace DEST if it holds an earlier release")
     p.set_defaults(func=_cmd_grading)
     return parser
 

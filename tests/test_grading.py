@@ -1,9 +1,11 @@
 """The graded-exercise system: exercises/ is generated from solutions/, and the grader scores fairly.
 
 The first tests run over every ``solutions/*.ipynb`` (chapters added later are
-covered without a change here). The rest use a tiny two-question exercise
-built in a temporary folder, so that each failure mode (a hang, a dead
-kernel, an edited test) costs a kernel start of a second or two.
+covered without a change here): all of them, solutions and untouched
+exercises, are graded in one class folder with two workers. The rest use a
+tiny two-question exercise built in a temporary folder, so that each failure
+mode (a hang, a dead kernel, an edited test) costs a kernel start of a second
+or two. Attacks on the grader are in ``test_grading_adversarial.py``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -21,9 +24,9 @@ import nbformat
 import pytest
 
 from course_lib import cli
-from course_lib.grading import assign, commands
+from course_lib.grading import assign, classroom, commands, isolation
 from course_lib.grading.exercise import GradingError, grade_id, is_test_cell, load_exercise, parse_exercise
-from course_lib.grading.execute import RECOVER_TIMEOUT
+from course_lib.grading.execute import RECOVER_TIMEOUT, run_notebook
 from course_lib.grading.grade import STATUSES, grade_notebook
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,18 +41,32 @@ ADD_ONE = '''def add_one(x: int) -> int:
     # HINT: one plus sign is enough.
     return x + 1
     ### END SOLUTION'''
-ADD_ONE_TEST = '''assert add_one(1) == 2, "add_one(1) should be 2"
+ADD_ONE_TEST = '''### ANSWERS
+got = {"1": add_one(1)}
+### CHECKS
+assert got["1"] == 2, "add_one(1) should be 2"
 ### BEGIN HIDDEN TESTS
-assert add_one(-1) == 0, "add_one(-1) should be 0"
+### ANSWERS
+got["-1"] = add_one(-1)
+### CHECKS
+assert got["-1"] == 0, "add_one(-1) should be 0"
 ### END HIDDEN TESTS'''
 DOUBLE = '''def double(x: int) -> int:
     """``2 * x``."""
     ### BEGIN SOLUTION
     return 2 * x
     ### END SOLUTION'''
-DOUBLE_TEST = '''assert double(3) == 6, "double(3) should be 6"
+DOUBLE_TEST = '''three = 3
+### ANSWERS
+got = {"3": double(three)}
+### CHECKS
+assert got["3"] == 6, "double(3) should be 6"
 ### BEGIN HIDDEN TESTS
-assert double(0) == 0, "double(0) should be 0"
+zero = 0
+### ANSWERS
+got["0"] = double(zero)
+### CHECKS
+assert got["0"] == 0, "double(0) should be 0"
 ### END HIDDEN TESTS'''
 
 
@@ -124,46 +141,141 @@ def test_chapters_01_and_02_have_exercises():
         assert 2 <= n <= 4, f"{path.name} has {n} questions; each exercise has two to four"
 
 
-_untouched: dict[str, object] = {}
-
-
-def _grade_untouched(stem: str):
-    if stem not in _untouched:
-        _untouched[stem] = grade_notebook(ROOT / "exercises" / f"{stem}.ipynb", timeout=60)
-    return _untouched[stem]
+@pytest.fixture(scope="module")
+def course_class(tmp_path_factory) -> dict[str, classroom.Submission]:
+    """Every solution, and every untouched exercise with its test cells blanked, graded as one class (-j 2)."""
+    folder = tmp_path_factory.mktemp("course_class")
+    for path in SOLUTIONS:
+        (folder / "solution").mkdir(exist_ok=True)
+        (folder / "solution" / path.name).write_bytes(path.read_bytes())
+        nb = nbformat.read(ROOT / "exercises" / path.name, as_version=4)
+        for cell in nb.cells:
+            if is_test_cell(cell):
+                cell.source = "pass"  # the learner's test cells count for nothing anyway
+        (folder / "untouched").mkdir(exist_ok=True)
+        nbformat.write(nb, folder / "untouched" / path.name)
+    start = time.monotonic()
+    subs = classroom.grade_folder(folder, timeout=60, jobs=2)
+    print(f"graded {len(subs)} notebooks in {time.monotonic() - start:.0f} s")
+    return {s.rel: s for s in subs}
 
 
 @pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.stem)
-def test_solution_scores_full_marks(solution):
-    start = time.monotonic()
-    result = grade_notebook(solution, timeout=60)
+def test_solution_scores_full_marks(course_class, solution):
+    result = course_class[f"solution/{solution.name}"].result
+    assert result is not None, course_class[f"solution/{solution.name}"].problem
     assert result.score == result.max_score > 0, json.dumps(result.as_dict(), indent=1)
     assert all(q.status == "passed" for q in result.questions)
-    assert time.monotonic() - start < 120, "grading one solution notebook should take seconds"
 
 
 @pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.stem)
-def test_untouched_exercise_scores_zero_on_every_implementation_question(solution):
+def test_untouched_exercise_scores_zero_on_every_implementation_question(course_class, solution):
     ex = load_exercise(solution.stem)
-    result = _grade_untouched(solution.stem)
-    assert result.score < result.max_score
+    result = course_class[f"untouched/{solution.name}"].result
+    assert result is not None and result.score < result.max_score
     for q in result.questions:
         if ex.question(q.name).is_implementation:
             assert q.score == 0 and q.status != "passed", q
             assert q.message, f"{q.name} scores zero without saying why"
 
 
-@pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.stem)
-def test_blanked_tests_score_no_more_than_untouched(solution, tmp_path):
-    nb = nbformat.read(ROOT / "exercises" / solution.name, as_version=4)
-    blanked = 0
-    for cell in nb.cells:
-        if is_test_cell(cell):
-            cell.source, blanked = "pass", blanked + 1
-    assert blanked == len(load_exercise(solution.stem).questions)
-    path = tmp_path / solution.name
-    nbformat.write(nb, path)
-    assert grade_notebook(path, timeout=60).score <= _grade_untouched(solution.stem).score
+def test_solutions_run_top_to_bottom_as_nbgrader_runs_them(tmp_path):
+    """nbgrader runs every cell, tests included, in the learner's kernel: the solutions must pass that way too."""
+    from nbclient import NotebookClient
+
+    nb = nbformat.v4.new_notebook()
+    for path in SOLUTIONS:
+        nb.cells += [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
+    client = NotebookClient(nb, allow_errors=True, kernel_name="python3", timeout=300)
+    client.execute(cwd=str(tmp_path))
+    errors = [(c.source.splitlines()[0], o.get("ename"), o.get("evalue")) for c in nb.cells
+              for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors, errors
+
+
+def test_every_test_cell_says_what_its_answer_must_not_call():
+    """The questions with a one-call answer in course_lib name it, and the instructions say so."""
+    named = {f for path in SOLUTIONS for q in load_exercise(path.stem).questions for f in q.forbid}
+    for reference in ("course_lib.memory.zero_memory", "course_lib.distributed.ddp.assign_buckets",
+                      "course_lib.distributed.zero.shard_bounds", "torch.nn.functional.group_norm"):
+        assert reference in named, f"no question forbids {reference}"
+    for path in SOLUTIONS:
+        text = path.read_text()
+        for q in load_exercise(path.stem).questions:
+            for name in q.forbid[:1]:
+                assert name.rsplit(".", 1)[1] in text.replace("\\n", " "), f"{path.name} never names {name}"
+
+
+MISTAKES = {  # chapter -> solution cells replaced by an answer with a mistake its instructions name
+    "01_memory_anatomy": {"q1_training_state_bytes": '''
+def training_state_bytes(model, optimizer):
+    buffers = {"sgd": 0, "momentum": 1, "adam": 2}
+    if optimizer not in buffers:
+        raise ValueError(optimizer)
+    params = list(model.parameters())
+    total = sum(p.numel() * p.element_size() for p in params)   # frozen parameters counted as trainable
+    return {"params": total, "grads": total,
+            "optimizer": buffers[optimizer] * total + (4 * len(params) if optimizer == "adam" else 0)}'''},
+    "03_gradient_accumulation": {"q3_token_accumulation_step": '''
+def token_accumulation_step(model, micro_batches):
+    total_tokens = sum(int((t != -100).sum()) for _, t in micro_batches)
+    if total_tokens == 0:
+        raise ValueError("no real token")
+    model.zero_grad()
+    total = 0.0
+    for x, t in micro_batches:
+        if not (t != -100).any():
+            continue                       # skips the model on a micro-batch of padding only
+        logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), t.reshape(-1), ignore_index=-100,
+                               reduction="sum") / total_tokens
+        loss.backward()
+        total += loss.item()
+    return total'''},
+    "06_data_parallel": {"q1_average_gradients": '''
+def average_gradients(per_rank):
+    if not per_rank or len({len(g) for g in per_rank}) != 1:
+        raise ValueError("ragged")
+    out = []
+    for grads in zip(*per_rank):
+        present = [g for g in grads if g is not None]
+        out.append(None if not present else sum(present) / len(present))   # divides by the ranks that used it
+    return out''', "q3_ring_all_reduce": '''
+def ring_all_reduce(tensors):
+    n = len(tensors)
+    chunks = [list(torch.tensor_split(t, n)) for t in tensors]   # views of the inputs, changed in place below
+    sent = [0] * n
+    for phase in ("reduce-scatter", "all-gather"):
+        for s in range(n - 1):
+            index = [(r - s) % n if phase == "reduce-scatter" else (r + 1 - s) % n for r in range(n)]
+            messages = [chunks[r][index[r]].clone() for r in range(n)]
+            for r, payload in enumerate(messages):
+                dst = (r + 1) % n
+                if phase == "reduce-scatter":
+                    chunks[dst][index[r]] += payload
+                else:
+                    chunks[dst][index[r]].copy_(payload)
+                sent[r] += payload.numel()
+    return [torch.cat(c) for c in chunks], sent'''},
+}
+
+
+@pytest.mark.parametrize("stem", sorted(MISTAKES))
+def test_visible_tests_catch_the_mistakes_the_instructions_name(stem, tmp_path):
+    import adversarial
+
+    wrong = MISTAKES[stem]
+    cells = {c.metadata["nbgrader"]["grade_id"]: adversarial.solution_source(stem, c.metadata["nbgrader"]["grade_id"])
+             for c in nbformat.read(ROOT / "solutions" / f"{stem}.ipynb", as_version=4).cells
+             if c.metadata.get("nbgrader", {}).get("solution")}
+    path = adversarial.Attack("mistakes", stem, honest=0, what="", cells={**cells, **wrong}).write(tmp_path)
+    result = grade_notebook(path, timeout=60, hidden=False)  # what `course check` runs: the visible tests only
+    for q in result.questions:
+        ex = load_exercise(stem).question(q.name)
+        if ex.solution_id in wrong:
+            assert q.status == "failed" and not q.hidden, f"{q.name}: the visible tests miss the mistake: {q}"
+        else:
+            assert q.status == "passed", q
 
 
 # ----- generation ------------------------------------------------------------------------------
@@ -175,9 +287,9 @@ def test_generated_stub_keeps_signature_docstring_and_hint(tiny):
     assert 'def add_one(x: int) -> int:\n    """``x + 1``."""' in text
     assert 'raise NotImplementedError("one plus sign is enough.")' in text
     assert f"raise NotImplementedError({json.dumps(assign.GENERIC_HINT)})" in text  # q2 has no hint
-    for gone in ("return x + 1", "return 2 * x", "BEGIN SOLUTION", "HIDDEN TESTS", "add_one(-1)", "double(0)"):
+    for gone in ("return x + 1", "return 2 * x", "BEGIN SOLUTION", "HIDDEN TESTS", "add_one(-1)", "double(zero)"):
         assert gone not in text, f"{gone!r} leaked into the exercise"
-    assert 'assert add_one(1) == 2' in text, "the visible tests stay"
+    assert 'got = {"1": add_one(1)}\n### CHECKS\nassert got["1"] == 2' in text, "the visible tests stay, in three parts"
     assert nb.metadata["course"] == {"exercise": "90_tiny"}
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code")
 
@@ -195,12 +307,155 @@ def test_assign_check_reports_stale_files(tiny, tmp_path):
     (lambda nb: nb.cells[3].metadata["nbgrader"].update(points=0), "positive 'points'"),
     (lambda nb: nb.cells[5].metadata["nbgrader"].update(grade_id="q1_add_one"), "used twice"),
     (lambda nb: nb.cells[2].metadata.clear(), "outside a solution cell"),
+    (lambda nb: setattr(nb.cells[3], "source", nb.cells[3].source.replace("### CHECKS\n", "", 1)), "### CHECKS"),
+    (lambda nb: setattr(nb.cells[3], "source", nb.cells[3].source + "\nassert True"), "must come last"),
+    (lambda nb: nb.cells[3].metadata.update(course={"forbid": "memory"}), "dotted names"),
+    (lambda nb: setattr(nb.cells[1], "source", "%time import os"), "plain Python"),
 ])
 def test_broken_convention_is_a_clear_error(tiny, broken, message):
     nb = nbformat.read(tiny["solution"], as_version=4)
     broken(nb)
     with pytest.raises(GradingError, match=message):
         parse_exercise(nb, tiny["solution"])
+
+
+# ----- what travels from the kernel, and what the checks accept --------------------------------------
+
+
+def test_answers_travel_as_plain_data_and_the_decoder_trusts_nothing():
+    import torch
+
+    from course_lib.grading import wire
+
+    value = {"a": [1, 2.5, float("nan"), None, True, "x", (1, 2), {3}], 7: torch.arange(6.0).reshape(2, 3),
+             "p": torch.nn.Parameter(torch.ones(2)), "bf16": torch.zeros(0, 3, dtype=torch.bfloat16)}
+    back = wire.loads(wire.dumps(value))
+    assert type(back["p"]) is torch.Tensor and torch.equal(back["p"], torch.ones(2)), "a Parameter arrives as a tensor"
+    assert back["a"][:2] == [1, 2.5] and back["a"][6] == (1, 2) and back["a"][7] == {3} and back[7].shape == (2, 3)
+
+    class Anything:
+        def __eq__(self, other):
+            return True
+
+    with pytest.raises(wire.WireError, match=r"got\['x'\] is a .*Anything"):
+        wire.dumps({"x": Anything()})
+    good = wire.dumps({"t": torch.ones(2)})
+    n = len(wire.MAGIC) + 8
+    for bad, message in [(b"\x80\x04pickle", "wrong header"), (good[:-3], "table says"),
+                         (good.replace(b'"float32"', b'"object!"'), "unknown dtype"),
+                         (good.replace(b'"tensor"', b'"eval"  '), "not valid JSON|unknown tag")]:
+        with pytest.raises(wire.WireError, match=message):
+            wire.loads(bad)
+    assert n < len(good)
+
+
+def test_load_refuses_links_and_huge_files(tmp_path):
+    from course_lib.grading import wire
+
+    (tmp_path / "secret").write_text("the instructor's")
+    (tmp_path / "link").symlink_to(tmp_path / "secret")
+    with pytest.raises(wire.WireError, match="plain file"):
+        wire.load(str(tmp_path / "link"))
+    (tmp_path / "big").write_bytes(wire.MAGIC + b"\0" * 2048)
+    with pytest.raises(wire.WireError, match="at most"):
+        wire.load(str(tmp_path / "big"), max_bytes=1024)
+    with pytest.raises(wire.WireError, match="did not finish"):
+        wire.load(str(tmp_path / "missing"))
+
+
+def test_checks_compare_with_exact_types():
+    import torch
+
+    from course_lib.grading.checks import close, raised, same
+
+    assert same([1, (2, "a")], [1, (2, "a")]) and not same([1], [True]) and not same([1], (1,)) and not same(1, 1.0)
+    assert same(torch.ones(2), torch.ones(2)) and not same(torch.ones(2), torch.ones(2, dtype=torch.float64))
+    assert close(16000, 16000.0) and close(1.0, 1.0 + 1e-12) and not close(True, 1.0) and not close("1", 1)
+    assert close([torch.ones(2)], [torch.ones(2) + 1e-9], atol=1e-6) and not close(torch.ones(2), torch.ones(3))
+    assert raised(int, "7") is None and raised(int, "x").startswith("ValueError: invalid literal")
+
+    class Mine(ValueError):
+        pass
+
+    def boom():
+        raise Mine("no")
+
+    assert raised(boom) == "ValueError: no", "the nearest built-in class names the error"
+
+
+def test_forbidden_references_are_found_however_they_are_spelled():
+    from course_lib.grading.forbid import violations
+
+    ban = ("course_lib.memory.zero_memory",)
+    used = {
+        "a call": ["from course_lib import memory", "def z(n, d, s):\n    return memory.zero_memory(n, d, s)"],
+        "an alias": ["from course_lib.memory import zero_memory as zm", "def z(*a):\n    return zm(*a)"],
+        "a helper in another cell": ["import course_lib.memory as m\ndef h(*a):\n    return m.zero_memory(*a)",
+                                     "def z(*a):\n    return h(*a)"],
+        "stashed in builtins": ["import builtins\nfrom course_lib import memory\nbuiltins.zz = memory.zero_memory",
+                                "def z(*a):\n    return zz(*a)"],
+        "a string": ["from course_lib import memory", "def z(*a):\n    return getattr(memory, 'zero_memory')(*a)"],
+        "a computed name": ["from course_lib import memory", "def z(*a):\n    return getattr(memory, 'zero_' + 'memory')(*a)"],
+        "a table built with it": ["from course_lib import memory\nT = {s: memory.zero_memory(1e6, 2, s) for s in range(4)}",
+                                  "def z(n, d, s):\n    return T[s]"],
+    }
+    for how, cells in used.items():
+        assert violations(cells, [1], ban), f"not found: {how}"
+    fine = {
+        "trying it out": ["from course_lib import memory\nprint(memory.zero_memory(1e6, 2, 1))",
+                          "def z(n, d, s):\n    return 16 * n"],
+        "its own function of that name": ["def zero_memory(n):\n    return n", "def z(n, d, s):\n    return zero_memory(n)"],
+        "another question's function": ["from course_lib import memory\ndef other(n):\n    return memory.zero_memory(n, 1, 0)",
+                                        "def z(n, d, s):\n    return 16 * n"],
+    }
+    for how, cells in fine.items():
+        assert not violations(cells, [1], ban), f"flagged wrongly: {how}"
+
+
+# ----- the sandbox ---------------------------------------------------------------------------------
+
+
+def test_kernel_runs_in_a_sandbox(tmp_path):
+    """Only the notebook's copy in its folder, no current folder on sys.path, the trusted course_lib, and
+    (as far as this machine allows) no way to signal the grader or to see the instructor's folders."""
+    mode = isolation.detect()
+    secret = tmp_path / "instructor"
+    secret.mkdir()
+    (secret / "answers.txt").write_text("42")
+    probe = nbformat.v4.new_notebook()
+    probe.cells = [nbformat.v4.new_code_cell(textwrap.dedent(f'''
+        import json, os, signal, sys
+        import course_lib
+        facts = {{"ls": sorted(os.listdir(".")), "cwd_on_path": "" in sys.path or os.getcwd() in sys.path,
+                  "course_lib": course_lib.__file__, "secret": os.path.exists({str(secret / "answers.txt")!r}),
+                  "uid": os.getuid(), "env": sorted(os.environ)}}
+        try:
+            os.kill(os.getppid(), 0)
+            facts["signal"] = "allowed"
+        except OSError as exc:
+            facts["signal"] = type(exc).__name__
+        facts["parent"] = os.getppid()
+        open("results/facts.json", "w").write(json.dumps(facts))'''))]
+    with isolation.Sandbox(mode, "mine.ipynb", b"{}", hide=[secret]) as sandbox:
+        runs = run_notebook(probe, sandbox, timeout=60)
+        assert runs[0].status == "ok", runs[0]
+        facts = json.loads((sandbox.results / "facts.json").read_text())
+    assert [f for f in facts["ls"] if not f.startswith(".")] == ["mine.ipynb", "results", "tmp"], facts["ls"]
+    assert not facts["cwd_on_path"] and facts["course_lib"] == str(ROOT / "course_lib" / "__init__.py")
+    assert not {"PYTHONPATH", "COURSE_SOLUTIONS"} & set(facts["env"]), "the kernel's environment is built from nothing"
+    if mode in ("namespaces+uid", "namespaces"):
+        assert not facts["secret"], "the instructor's folder is hidden"
+        assert facts["parent"] == 1, "the grader is not the kernel's parent: process 1 of its namespace is"
+    if mode in ("namespaces+uid", "uid"):
+        assert facts["uid"] >= isolation.UID_BASE and facts["signal"] == "PermissionError", facts
+
+
+def test_a_kernel_that_cannot_start_is_a_clear_error(tiny, monkeypatch):
+    monkeypatch.setattr(isolation.Sandbox, "argv",
+                        lambda self: [sys.executable, "-c", "import sys; sys.exit('no kernel for you')"])
+    path = _learner(tiny, "nokernel", _solve)
+    with pytest.raises(GradingError, match="could not start a Python kernel.*no kernel for you"):
+        grade_notebook(path, timeout=SHORT, solutions=tiny["solutions"])
 
 
 # ----- grading: what the learner cannot change ---------------------------------------------------
@@ -215,7 +470,7 @@ def test_instructor_tests_and_points_replace_the_learners(tiny):
                 cell.metadata["nbgrader"]["points"] = 100  # ... and neither do edited points
             elif grade_id(cell) == "q2_double_test":
                 nb.cells.remove(cell)                  # a deleted test is put back
-        fake = _cell("assert True", "q9_bonus_test", 50)  # a made-up test is dropped
+        fake = _cell("got = {}", "q9_bonus_test", 50)  # a made-up test is dropped
         nb.cells.append(fake)
 
     result = grade_notebook(_learner(tiny, "tamper", edit), timeout=SHORT, solutions=tiny["solutions"])
@@ -229,8 +484,8 @@ def test_instructor_tests_and_points_replace_the_learners(tiny):
 def test_hidden_test_failure_is_reported(tiny):
     path = _learner(tiny, "hidden", lambda nb: _solve(nb, q1="    return abs(x) + 1"))
     q = _by_name(grade_notebook(path, timeout=SHORT, solutions=tiny["solutions"]))["q1_add_one_test"]
-    assert q.status == "failed" and q.score == 0
-    assert "hidden test" in q.message and "add_one(-1)" in q.message
+    assert q.status == "failed" and q.score == 0 and q.hidden
+    assert "a hidden test failed" in q.message and "add_one(-1)" in q.message
 
 
 def test_endless_loop_times_out_and_grading_goes_on(tiny):
@@ -270,13 +525,21 @@ def test_dead_kernel_fails_everything_after_it(tiny):
     assert time.monotonic() - start < 60
 
 
+def test_an_answer_that_cannot_travel_fails_with_a_clear_message(tiny):
+    odd = "    class Two:\n        def __eq__(self, other):\n            return True\n    return Two()"
+    q = _by_name(grade_notebook(_learner(tiny, "odd", lambda nb: _solve(nb, q2=odd)), timeout=SHORT,
+                                solutions=tiny["solutions"]))["q2_double_test"]
+    assert q.status == "error" and "cannot be sent to the grader" in q.message and "Two" in q.message
+
+
 # ----- the command line ----------------------------------------------------------------------------
 
 
-def _course(*args: str, solutions: Path | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, **({"COURSE_SOLUTIONS": str(solutions)} if solutions else {})}
+def _course(*args: str, solutions: Path | None = None, cwd: Path = ROOT, pythonpath: Path = ROOT
+            ) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(pythonpath), **({"COURSE_SOLUTIONS": str(solutions)} if solutions else {})}
     return subprocess.run([sys.executable, "-m", "course_lib.cli", *args], capture_output=True, text=True,
-                          env=env, timeout=180, cwd=ROOT)
+                          env=env, timeout=300, cwd=cwd)
 
 
 def test_grade_json_schema_and_exit_status(tiny):
@@ -321,7 +584,7 @@ def test_foreign_notebook_is_a_clear_error(tmp_path, capsys):
 
 
 def test_overall_time_limit_ends_grading(tiny):
-    slow = "    import time\n    time.sleep(1.5)\n    return x + 1"  # the q1 test calls it twice: 3 s
+    slow = "    import time\n    time.sleep(3)\n    return x + 1"
     start = time.monotonic()
     result = grade_notebook(_learner(tiny, "slow", lambda nb: _solve(nb, q1=slow)), timeout=SHORT,
                             solutions=tiny["solutions"], total_timeout=2)
@@ -331,24 +594,53 @@ def test_overall_time_limit_ends_grading(tiny):
     assert q["q2_double_test"].status == "timeout" and "overall limit" in q["q2_double_test"].message
 
 
-def test_folder_of_submissions_into_csv(tiny, tmp_path):
+def test_folder_of_submissions_in_parallel_into_csv_summary_and_feedback(tiny, tmp_path):
     folder = tmp_path / "class"
     for who, body in [("alice", "    return 2 * x"), ("bob", "    return x")]:
         (folder / who).mkdir(parents=True)
         nb = nbformat.read(_learner(tiny, who, lambda nb, b=body: _solve(nb, q2=b)), as_version=4)
         nbformat.write(nb, folder / who / "90_tiny.ipynb")
+    nbformat.write(nbformat.read(_learner(tiny, "dave", _solve), as_version=4), folder / "dave_90_tiny.ipynb")
     (folder / "carol").mkdir()
     (folder / "carol" / "90_tiny.ipynb").write_text("not json")
-    csv_path = tmp_path / "grades.csv"
+    csv_path = tmp_path / "out" / "grades.csv"
     args = argparse.Namespace(notebook=str(folder), timeout=SHORT, json=False, csv=str(csv_path),
-                              solutions=tiny["solutions"])
+                              solutions=tiny["solutions"], jobs=2, notebook_timeout=60, feedback=None)
     assert commands.grade(args) == 1, "one submission could not be graded"
     rows = {r["submission"]: r for r in csv.DictReader(csv_path.open())}
-    assert set(rows) == {"alice/90_tiny.ipynb", "bob/90_tiny.ipynb", "carol/90_tiny.ipynb"}
+    assert set(rows) == {"alice/90_tiny.ipynb", "bob/90_tiny.ipynb", "carol/90_tiny.ipynb", "dave_90_tiny.ipynb"}
+    assert [rows[k]["student"] for k in sorted(rows)] == ["alice", "bob", "carol", "dave"]
     assert (rows["alice/90_tiny.ipynb"]["score"], rows["alice/90_tiny.ipynb"]["max_score"]) == ("3", "3")
-    assert (rows["bob/90_tiny.ipynb"]["q1_add_one_test"], rows["bob/90_tiny.ipynb"]["q2_double_test"]) == ("1", "0")
-    assert "q2_double_test: failed" in rows["bob/90_tiny.ipynb"]["problem"]
+    bob = rows["bob/90_tiny.ipynb"]
+    assert (bob["q1_add_one_test"], bob["q2_double_test"]) == ("1", "0")
+    assert bob["q1_add_one_test_reason"] == "" and "double(3) should be 6" in bob["q2_double_test_reason"]
+    assert "q2_double_test: failed" in bob["problem"]
     assert "not valid JSON" in rows["carol/90_tiny.ipynb"]["problem"] and rows["carol/90_tiny.ipynb"]["score"] == ""
+    summary = {r["question"]: r for r in csv.DictReader((tmp_path / "out" / "grades_summary.csv").open())}
+    assert (summary["q2_double_test"]["graded"], summary["q2_double_test"]["pass_rate"]) == ("3", "0.667")
+    assert float(summary["q2_double_test"]["mean_score"]) == pytest.approx(4 / 3, abs=1e-3)
+    assert json.loads((tmp_path / "out" / "grades.json").read_text())["summary"]
+    bob_feedback = (tmp_path / "out" / "feedback" / "bob" / "90_tiny.md").read_text()
+    assert "1 of 3 points" in bob_feedback and "double(3) should be 6" in bob_feedback
+    assert sorted(p.parent.name for p in (tmp_path / "out" / "feedback").rglob("*.md")) == ["alice", "bob", "dave"]
+    assert not list((tmp_path / "out").glob(".*.tmp")), "every output is renamed into place"
+
+
+def test_feedback_never_quotes_a_hidden_test(tiny, tmp_path):
+    from course_lib.grading.classroom import Submission, feedback_markdown
+    from course_lib.grading.exercise import Catalog
+
+    leak = ("    import linecache, sys\n    lines = linecache.getlines(sys._getframe(1).f_code.co_filename)\n"
+            "    raise ValueError(' | '.join(l.strip() for l in lines[-3:]))")
+    path = _learner(tiny, "leak", lambda nb: _solve(nb, q1="    return abs(x) + 1", q2=leak))
+    ex = Catalog(tiny["solutions"]).exercises["90_tiny"]
+    result = grade_notebook(path, timeout=SHORT, exercise=ex)
+    assert "double(zero)" in _by_name(result)["q2_double_test"].message, "the instructor's CSV says what happened"
+    text = feedback_markdown(Submission(path, rel="leak/90_tiny.ipynb", exercise=ex, result=result))
+    for line in ("got[\"-1\"] = add_one(-1)", "add_one(-1) should be 0", "got[\"0\"] = double(zero)", "zero = 0",
+                 "double(0) should be 0"):
+        assert line not in text, f"the feedback quotes the hidden test: {line}"
+    assert "fails a hidden test" in text and "hint: one plus sign is enough." in text
 
 
 def test_check_gives_friendly_messages_and_hints(tiny, capsys):
@@ -360,4 +652,77 @@ def test_check_gives_friendly_messages_and_hints(tiny, capsys):
     solved = _learner(tiny, "check", lambda nb: _solve(nb, q1="    return abs(x) + 1"))
     args.notebook = str(solved)
     assert commands.check(argparse.Namespace(**vars(args))) == 0, "the hidden test is not run by check"
-    assert "2 of 2 questions pass" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "2 of 2 questions pass" in out and commands.ALL_VISIBLE_PASS in out and "Well done" not in out
+
+
+# ----- the learner's copy of the course ------------------------------------------------------------------
+
+
+def _hidden_test_lines() -> set[str]:
+    """Every line of every hidden test of every solutions notebook, read here without the grader's help,
+    less those the generated exercises also show (they are public by design) and those shorter than ten
+    characters (``else:``, ``return m``: Python, not a test)."""
+    hidden, public = set(), set()
+    for path in SOLUTIONS:
+        inside = False
+        for cell in nbformat.read(path, as_version=4).cells:
+            for line in cell.source.splitlines():
+                if "BEGIN HIDDEN TESTS" in line:
+                    inside = True
+                elif "END HIDDEN TESTS" in line:
+                    inside = False
+                elif inside and len(line.strip()) >= 10:
+                    hidden.add(line.strip())
+        for cell in nbformat.read(ROOT / "exercises" / path.name, as_version=4).cells:
+            public |= {line.strip() for line in cell.source.splitlines()}
+    return hidden - public
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory) -> Path:
+    dest = tmp_path_factory.mktemp("release") / "course"
+    run = _course("release", str(dest))
+    assert run.returncode == 0, run.stderr
+    return dest
+
+
+def test_release_holds_no_solution_and_no_hidden_test_line(released):
+    lines = _hidden_test_lines()
+    assert len(lines) > 200, f"only {len(lines)} hidden lines found: the search is broken"
+    assert not (released / "solutions").exists() and not (released / "tests").exists()
+    assert not (released / "benchmarks" / "bench_grading.py").exists(), "it needs the solutions"
+    for path in released.rglob("*"):
+        if path.is_file():
+            text = path.read_bytes().decode("utf-8", errors="ignore")
+            found = [line for line in lines if line in text]
+            assert not found, f"{path.relative_to(released)} holds hidden-test lines: {found[:3]}"
+    for name in ("README.md", "pyproject.toml", "Makefile", "environment.yml", "data/README.md",
+                 "course_lib/grading/grade.py", "notebooks/01_memory_anatomy.ipynb", "exercises/README.md"):
+        assert (released / name).is_file(), f"the learner's copy lacks {name}"
+    assert sorted(p.name for p in (released / "exercises").glob("*.ipynb")) == [p.name for p in SOLUTIONS]
+
+
+def test_check_works_in_the_learners_copy_from_its_visible_tests(released, tmp_path):
+    work = tmp_path / "02_batch_size.ipynb"
+    solved = nbformat.read(released / "exercises" / "02_batch_size.ipynb", as_version=4)
+    answers = {c.metadata["nbgrader"]["grade_id"]: c.source for c in nbformat.read(ROOT / "solutions" / work.name,
+                                                                                   as_version=4).cells
+               if c.metadata.get("nbgrader", {}).get("solution")}
+    for cell in solved.cells:
+        if grade_id(cell) in answers:
+            cell.source = answers[grade_id(cell)]
+    nbformat.write(solved, work)
+    run = _course("check", str(work), cwd=released, pythonpath=released)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert commands.ALL_VISIBLE_PASS in run.stdout and "Well done" not in run.stdout
+    assert "3 of 3 questions pass their visible tests" in run.stdout
+    run = _course("grade", str(work), cwd=released, pythonpath=released)
+    assert run.returncode != 0 and "learner's copy" in run.stderr, "no hidden tests to grade with in the copy"
+
+
+def test_release_refuses_a_folder_in_use(tmp_path, capsys):
+    (tmp_path / "x.txt").write_text("mine")
+    assert cli.main(["release", str(tmp_path)]) == 2 and "not empty" in capsys.readouterr().err
+    assert cli.main(["release", str(ROOT / "notebooks" / "copy")]) == 2 and "choose another" in capsys.readouterr().err
+    assert not (ROOT / "notebooks" / "copy").exists()

@@ -1,15 +1,34 @@
-"""Graded exercises: make ``exercises/`` from ``solutions/`` and grade learners' notebooks.
+"""Graded exercises: make ``exercises/`` from ``solutions/``, grade learners' notebooks, release the course.
 
-- ``exercise``: the authoring convention (nbgrader metadata) and finding a notebook's exercise;
+- ``exercise``: the authoring convention (nbgrader metadata, test cells in inputs / answers / checks);
 - ``assign``: the learner's copy of a solutions notebook (``course assign``);
-- ``execute``: running cells in a separate kernel with time limits;
-- ``grade``: re-inserting the instructor's tests and scoring each question (``course grade``, ``course check``);
-- ``classroom``: a folder of submissions into one CSV;
+- ``checks``: ``raised``, ``same`` and ``close``, which the test cells use;
+- ``wire``: the answers a kernel sends out, as plain data (no pickle);
+- ``isolation`` and ``sandbox``: where a learner's kernel runs, and what it cannot reach;
+- ``execute``: running cells in that kernel with time limits;
+- ``checker``: the instructor's checks, run in the grader on the answers;
+- ``forbid``: what a question's answer must not call;
+- ``grade``: one notebook (``course grade``, ``course check``);
+- ``classroom``: a folder of submissions in parallel: CSV, summary, feedback;
+- ``release``: the learner's copy of the course (``course release``);
 - ``commands``: the CLI entry points.
+
+Importing this package is cheap: the learner's kernel imports ``checks`` and
+``wire`` from it, so the rest is loaded only when used.
 """
 
-from course_lib.grading.exercise import Exercise, GradingError, Question, find_exercise, load_exercise
-from course_lib.grading.grade import GradeResult, QuestionResult, grade_notebook
+from __future__ import annotations
 
-__all__ = ["Exercise", "GradeResult", "GradingError", "Question", "QuestionResult", "find_exercise",
-           "grade_notebook", "load_exercise"]
+import importlib
+
+_EXPORTS = {"Exercise": "exercise", "GradingError": "exercise", "Question": "exercise", "find_exercise": "exercise",
+            "load_exercise": "exercise", "GradeResult": "grade", "QuestionResult": "grade",
+            "grade_notebook": "grade"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"course_lib.grading.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'course_lib.grading' has no attribute {name!r}")

@@ -19,10 +19,8 @@ import nbformat
 from nbformat import NotebookNode
 
 from course_lib.grading.exercise import (
-    META_KEY, ROOT, GradingError, hints, parse_exercise, read_notebook, solutions_dir,
+    EXERCISES, META_KEY, GradingError, hints, parse_exercise, read_notebook, solutions_dir,
 )
-
-EXERCISES = ROOT / "exercises"
 _PLACEHOLDER = "@@HINT@@"
 GENERIC_HINT = "Write your solution here, then run the test cell below."
 

@@ -1,29 +1,64 @@
-"""Grade a folder of submissions into one CSV (``course grade FOLDER``).
+"""Grade a folder of submissions (``course grade FOLDER``): in parallel, into a CSV, a summary and feedback.
 
 Any layout works: ``submissions/alice/01_memory_anatomy.ipynb`` or
-``submissions/alice_01_memory_anatomy.ipynb``; each notebook is matched to its
-exercise by its metadata or its name. One row per notebook; a notebook that
-cannot be graded still gets a row, with the reason in ``problem``.
+``submissions/alice_01_memory_anatomy.ipynb``; the student is the first
+folder, else what the file name holds besides the exercise's name. Each
+notebook is matched to its exercise by its metadata or its name. One row per
+notebook; a notebook that cannot be graded still gets a row, with the reason
+in ``problem``.
+
+Order of events: every instructor notebook and every submission is read into
+memory first; then worker processes grade (each notebook in its own sandboxed
+kernel, the class's folder and the outputs hidden from it); the grader's main
+process only collects results and, at the very end, writes each output file
+atomically (to a temporary name, then renamed). A worker that a submission
+managed to kill (possible only without isolation) is replaced and the
+submissions it held are graded again, one at a time.
 """
 
 from __future__ import annotations
 
 import csv
-from dataclasses import dataclass
+import io
+import json
+import multiprocessing
+import os
+import re
+import statistics
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from course_lib.grading.exercise import GradingError
+from course_lib.grading.exercise import Catalog, Exercise, GradingError, is_test_cell, notebook_from_bytes
 from course_lib.grading.grade import GradeResult, grade_notebook, points_text
+from course_lib.grading.isolation import detect
 
 
 @dataclass
 class Submission:
-    """One notebook of the folder: its grade, or why it has none."""
+    """One notebook of the folder: who handed it in, its grade, or why it has none."""
 
     path: Path
+    rel: str = ""
+    student: str = ""
+    exercise: Exercise | None = None
+    data: bytes = b""
     result: GradeResult | None = None
     problem: str = ""
+    attempts: int = 0
+
+
+@dataclass
+class Settings:
+    """How each notebook is graded."""
+
+    timeout: int = 60                      # seconds per cell
+    notebook_timeout: float | None = None  # seconds for all of a notebook's cells
+    isolation: str | None = None           # None: the strongest the machine allows
+    hide: list[Path] = field(default_factory=list)
+    threads: int = 1
 
 
 def find_submissions(folder: Path) -> list[Path]:
@@ -31,48 +66,243 @@ def find_submissions(folder: Path) -> list[Path]:
     return sorted(p for p in Path(folder).rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
 
 
+def student_id(rel: Path, exercise: str | None) -> str:
+    """``alice/01_x.ipynb`` -> ``alice``; ``alice_01_x.ipynb`` -> ``alice``; ``01_x.ipynb`` -> ``01_x``."""
+    if len(rel.parts) > 1:
+        found = rel.parts[0]
+    else:
+        stem = rel.stem
+        found = (stem.replace(exercise, "").strip(" _-.") if exercise and exercise in stem else stem) or stem
+    return re.sub(r"[^\w.@+-]", "_", found).lstrip(".") or "unnamed"
+
+
+def _grade_one(sub: Submission, settings: Settings) -> tuple[GradeResult | None, str]:
+    """In a worker: the grade of one submission, or why it has none."""
+    try:
+        result = grade_notebook(sub.path, timeout=settings.timeout, total_timeout=settings.notebook_timeout,
+                                exercise=sub.exercise, isolation=settings.isolation, hide=settings.hide,
+                                threads=settings.threads, data=sub.data)
+        return result, ""
+    except (GradingError, OSError) as exc:
+        return None, str(exc)
+
+
+def _run_pool(subs: list[Submission], settings: Settings, jobs: int,
+              progress: Callable[[Submission], None] | None) -> list[Submission]:
+    """Grade ``subs`` with ``jobs`` workers; return those lost with a broken pool."""
+    lost: list[Submission] = []
+    ctx = multiprocessing.get_context("spawn")  # a clean interpreter: nothing of this process is shared
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+        running = {pool.submit(_grade_one, s, settings): s for s in subs}
+        while running:
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for fut in done:
+                sub = running.pop(fut)
+                sub.attempts += 1
+                try:
+                    sub.result, sub.problem = fut.result()
+                except BrokenProcessPool:
+                    lost.append(sub)
+                    continue
+                except Exception as exc:  # a bug in the grader should not lose the class's other grades
+                    sub.problem = f"the grader failed on this notebook: {type(exc).__name__}: {exc}"
+                if progress:
+                    progress(sub)
+    return lost
+
+
 def grade_folder(folder: Path | str, timeout: int = 60, solutions: Path | str | None = None,
-                 progress: Callable[[Submission], None] | None = None) -> list[Submission]:
-    """Grade every notebook under ``folder``, one after the other (each in its own kernel)."""
+                 progress: Callable[[Submission], None] | None = None, jobs: int = 1,
+                 notebook_timeout: float | None = None, isolation: str | None = None,
+                 hide: list[Path] | None = None) -> list[Submission]:
+    """Grade every notebook under ``folder`` with ``jobs`` parallel workers (each notebook in its own kernel)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"no such folder: {folder}")
+    if jobs < 1:
+        raise GradingError(f"-j needs at least one worker, got {jobs}")
+    catalog = Catalog(solutions)  # the instructor's files, in memory before any learner code runs
     paths = find_submissions(folder)
     if not paths:
         raise GradingError(f"{folder} holds no .ipynb files to grade")
-    done = []
+    subs = []
     for path in paths:
-        sub = Submission(path)
+        sub = Submission(path, rel=path.relative_to(folder).as_posix())
         try:
-            sub.result = grade_notebook(path, timeout=timeout, solutions=solutions)
+            sub.data = path.read_bytes()
+            sub.exercise = catalog.find(notebook_from_bytes(sub.data, path), path)
         except (GradingError, OSError) as exc:
             sub.problem = str(exc)
-        done.append(sub)
-        if progress:
-            progress(sub)
-    return done
+        sub.student = student_id(Path(sub.rel), sub.exercise.name if sub.exercise else None)
+        subs.append(sub)
+    settings = Settings(timeout, notebook_timeout, isolation, [folder, catalog.folder, *(hide or [])],
+                        threads=max(1, (os.cpu_count() or 1) // jobs))
+    todo = [s for s in subs if s.exercise is not None]
+    for s in subs:
+        if s.exercise is None and progress:
+            progress(s)
+    lost = _run_pool(todo, settings, jobs, progress)
+    for sub in lost:  # one at a time, so that a notebook that kills its worker only loses itself
+        if _run_pool([sub], settings, 1, progress):
+            sub.problem = ("grading this notebook killed the grader's worker process (twice): it was not "
+                           f"graded; isolation {isolation or detect()} could not stop it")
+            if progress:
+                progress(sub)
+    return subs
 
 
-def write_csv(subs: list[Submission], folder: Path, out: Path) -> Path:
-    """Columns: submission, exercise, score, max_score, one per question (in first-seen order), problem."""
-    questions: list[str] = []
+# ----- outputs -------------------------------------------------------------------------------------
+
+
+def write_atomic(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path`` through a temporary file in the same folder, then rename it into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8", newline="") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def question_names(subs: list[Submission]) -> list[str]:
+    """Every question, in first-seen order."""
+    names: list[str] = []
     for sub in subs:
         for q in sub.result.questions if sub.result else []:
-            if q.name not in questions:
-                questions.append(q.name)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="", encoding="utf-8") as f:
-        w = csv.writer(f)
-        w.writerow(["submission", "exercise", "score", "max_score", *questions, "problem"])
-        for sub in subs:
-            name = sub.path.relative_to(folder).as_posix()
-            if sub.result is None:
-                w.writerow([name, "", "", "", *[""] * len(questions), sub.problem])
-                continue
-            by_name = {q.name: q for q in sub.result.questions}
-            problems = "; ".join(f"{q.name}: {q.status}" for q in sub.result.questions if q.status != "passed")
-            scores = [points_text(by_name[q].score) if q in by_name else "" for q in questions]
-            w.writerow([name, sub.result.exercise, points_text(sub.result.score),
-                        points_text(sub.result.max_score), *scores, problems])
-    return out
+            if q.name not in names:
+                names.append(q.name)
+    return names
 
+
+def csv_text(subs: list[Submission]) -> str:
+    """Columns: student, submission, exercise, score, max_score, per question its points and its reason, problem."""
+    questions = question_names(subs)
+    out = io.StringIO()
+    w = csv.writer(out)
+    w.writerow(["student", "submission", "exercise", "score", "max_score",
+                *[c for q in questions for c in (q, f"{q}_reason")], "problem"])
+    for sub in subs:
+        if sub.result is None:
+            w.writerow([sub.student, sub.rel, sub.exercise.name if sub.exercise else "", "", "",
+                        *[""] * (2 * len(questions)), sub.problem])
+            continue
+        by_name = {q.name: q for q in sub.result.questions}
+        cells = []
+        for name in questions:
+            q = by_name.get(name)
+            cells += [points_text(q.score), "" if q.status == "passed" else f"{q.status}: {q.message}"] if q else ["", ""]
+        problems = "; ".join(f"{q.name}: {q.status}" for q in sub.result.questions if q.status != "passed")
+        w.writerow([sub.student, sub.rel, sub.result.exercise, points_text(sub.result.score),
+                    points_text(sub.result.max_score), *cells, problems])
+    return out.getvalue()
+
+
+def summary(subs: list[Submission]) -> list[dict]:
+    """Per exercise and question: notebooks graded, mean points, maximum, pass rate."""
+    rows: dict[tuple[str, str], list] = {}
+    for sub in subs:
+        for q in sub.result.questions if sub.result else []:
+            rows.setdefault((sub.result.exercise, q.name), []).append(q)
+    return [{"exercise": ex, "question": name, "graded": len(qs), "max_score": qs[0].max_score,
+             "mean_score": round(statistics.fmean(q.score for q in qs), 3),
+             "pass_rate": round(sum(q.status == "passed" for q in qs) / len(qs), 3)}
+            for (ex, name), qs in rows.items()]
+
+
+def summary_text(rows: list[dict]) -> str:
+    """The summary as a table for the terminal."""
+    head = ("exercise", "question", "graded", "mean", "max", "pass rate")
+    table = [head] + [(r["exercise"], r["question"], str(r["graded"]), f"{r['mean_score']:g}",
+                       points_text(r["max_score"]), f"{100 * r['pass_rate']:.0f}%") for r in rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table)
+
+
+def summary_csv(rows: list[dict]) -> str:
+    out = io.StringIO()
+    w = csv.DictWriter(out, fieldnames=["exercise", "question", "graded", "mean_score", "max_score", "pass_rate"])
+    w.writeheader()
+    w.writerows(rows)
+    return out.getvalue()
+
+
+def hidden_snippets(ex: Exercise, shortest: int = 8) -> set[str]:
+    """Text of the hidden tests that feedback must never quote: their lines and their string literals, less
+    what the exercise shows anyway (its text, its setup, its visible tests)."""
+    import ast
+
+    public = [c.source for c in ex.notebook.cells if not is_test_cell(c)]
+    public += [sec.source for q in ex.questions if q.visible for sec in (q.visible.inputs, q.visible.answers,
+                                                                          q.visible.checks)]
+    shown = "\n".join(public)
+    found: set[str] = set()
+    for q in ex.questions:
+        if q.hidden is None:
+            continue
+        for section in (q.hidden.inputs, q.hidden.answers, q.hidden.checks):
+            found |= {line.strip() for line in section.source.splitlines() if len(line.strip()) >= shortest}
+            for node in ast.walk(ast.parse(section.source)):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) and len(node.value) >= shortest:
+                    found.add(node.value)
+    return {s for s in found if s not in shown}
+
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]{0,60}")
+
+
+def _feedback_line(q, hint: str | None, secret: set[str]) -> str:
+    """What a learner may read about one question: never the hidden tests' text."""
+    if q.status == "passed":
+        return ""
+    if q.hidden and q.status == "failed":
+        text = ("passes the visible tests but fails a hidden test: a case the instructions or the docstring "
+                "name (an edge case, an invalid input, another shape)")
+    elif q.hidden:
+        kind = q.message.split(" on the hidden")[0].removeprefix("your code raised ").strip()
+        text = (f"your code raised {kind if _NAME.fullmatch(kind) else 'an exception'} on the hidden tests' "
+                "inputs" if q.message.startswith("your code raised") else "an error on the hidden tests")
+    else:
+        text = q.message
+    if any(s in text for s in secret):
+        text = f"{q.status} (the message is withheld: it quotes the hidden tests)"
+    helps = hint and hint not in text and q.status in ("failed", "error", "timeout")
+    return text + (f"\n  - hint: {hint}" if helps else "")
+
+
+def feedback_markdown(sub: Submission) -> str:
+    """The per-student feedback for one graded notebook (markdown), without any hidden test's text."""
+    r, ex = sub.result, sub.exercise
+    assert r is not None and ex is not None
+    secret = hidden_snippets(ex)
+    lines = [f"# {r.exercise}: {points_text(r.score)} of {points_text(r.max_score)} points", "",
+             f"Notebook: `{sub.rel}`", "", "| question | points | result |", "|---|---|---|"]
+    for q in r.questions:
+        lines.append(f"| {q.name} | {points_text(q.score)}/{points_text(q.max_score)} | {q.status} |")
+    notes = [(q, _feedback_line(q, ex.question(q.name).hint, secret)) for q in r.questions]
+    notes = [(q, t) for q, t in notes if t]
+    if notes:
+        lines += ["", "## What to look at", ""]
+        lines += [f"- **{q.name}** ({q.status}): {t}" for q, t in notes]
+    lines += ["", "The grader ran your notebook in a fresh kernel with the instructor's tests, hidden ones "
+                  "included; `course check` runs the visible ones the same way."]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(subs: list[Submission], csv_path: Path, feedback_dir: Path | None,
+                  isolation: str = "") -> dict[str, Path]:
+    """The CSV, the JSON, the summary and the feedback files, each written atomically; their paths."""
+    rows = summary(subs)
+    json_doc = {"isolation": isolation, "summary": rows, "submissions": [
+        {"student": s.student, "submission": s.rel, **(s.result.as_dict() if s.result else {"error": s.problem})}
+        for s in subs]}
+    out = {"csv": write_atomic(csv_path, csv_text(subs)),
+           "json": write_atomic(csv_path.with_suffix(".json"), json.dumps(json_doc, indent=1)),
+           "summary": write_atomic(csv_path.with_name(f"{csv_path.stem}_summary.csv"), summary_csv(rows))}
+    if feedback_dir is not None:
+        for s in subs:
+            if s.result is not None:
+                write_atomic(feedback_dir / s.student / f"{s.result.exercise}.md", feedback_markdown(s))
+        out["feedback"] = feedback_dir
+    return out

@@ -1,4 +1,4 @@
-"""The ``course assign``, ``course grade`` and ``course check`` commands (called from ``course_lib.cli``).
+"""The ``course assign``, ``grade``, ``check`` and ``release`` commands (called from ``course_lib.cli``).
 
 Each takes the parsed arguments and returns the exit status. ``grade`` exits
 0 whenever grading completed, whatever the score; a notebook that cannot be
@@ -13,15 +13,15 @@ import json
 import sys
 from pathlib import Path
 
-from course_lib.grading.exercise import find_exercise, read_notebook
+from course_lib.grading.exercise import Catalog, read_notebook
 from course_lib.grading.grade import GradeResult, grade_notebook, points_text
 
-STATUS_WORD = {"passed": "ok", "failed": "failed", "error": "error", "timeout": "timeout"}
+STATUS_WORD = {"passed": "ok", "failed": "failed", "error": "error", "timeout": "timeout", "rejected": "rejected"}
+ALL_VISIBLE_PASS = "visible tests passed; hidden tests check more"
 
 
 def _solutions(args: argparse.Namespace) -> Path | None:
     return getattr(args, "solutions", None)  # None: $COURSE_SOLUTIONS, else solutions/
-
 
 
 def assign(args: argparse.Namespace) -> int:
@@ -51,61 +51,89 @@ def format_result(result: GradeResult) -> str:
     lines = [f"{result.notebook} (exercise {result.exercise})"]
     for q in result.questions:
         pts = f"{points_text(q.score)}/{points_text(q.max_score)}"
-        lines.append(f"  {q.name:<{width}}  {pts:>5}  {q.status:<7}  {q.message}".rstrip())
+        lines.append(f"  {q.name:<{width}}  {pts:>5}  {q.status:<8}  {q.message}".rstrip())
     lines.append(f"score: {points_text(result.score)}/{points_text(result.max_score)}")
     return "\n".join(lines)
 
 
 def grade(args: argparse.Namespace) -> int:
-    """Grade one notebook, or every notebook in a folder into a CSV."""
+    """Grade one notebook, or every notebook in a folder (a CSV, a summary, feedback files)."""
     target = Path(args.notebook)
     if target.is_dir():
         return _grade_folder(target, args)
-    result = grade_notebook(target, timeout=args.timeout, solutions=_solutions(args))
+    path = target
+    ex = Catalog(_solutions(args)).find(read_notebook(path), path)
+    result = grade_notebook(path, timeout=args.timeout, exercise=ex,
+                            total_timeout=getattr(args, "notebook_timeout", None), hide=[path.resolve().parent])
     print(json.dumps(result.as_dict(), indent=1) if args.json else format_result(result))
     return 0
 
 
 def _grade_folder(folder: Path, args: argparse.Namespace) -> int:
-    from course_lib.grading.classroom import Submission, grade_folder, write_csv
+    from course_lib.grading import isolation
+    from course_lib.grading.classroom import Submission, grade_folder, summary, summary_text, write_outputs
+
+    csv_path = Path(args.csv) if getattr(args, "csv", None) else folder / "grades.csv"
+    feedback = getattr(args, "feedback", None)
+    feedback_dir = None if feedback == "none" else Path(feedback) if feedback else csv_path.parent / "feedback"
+    mode = isolation.detect()
+    print(f"[course] isolation: {mode}; {getattr(args, 'jobs', 1)} worker(s)", file=sys.stderr, flush=True)
 
     def progress(sub: Submission) -> None:
         if sub.result:
             what = f"{points_text(sub.result.score)}/{points_text(sub.result.max_score)}"
         else:
             what = f"not graded: {sub.problem}"
-        print(f"[course] {sub.path.relative_to(folder)}: {what}", file=sys.stderr, flush=True)
+        print(f"[course] {sub.rel}: {what}", file=sys.stderr, flush=True)
 
-    subs = grade_folder(folder, timeout=args.timeout, solutions=_solutions(args), progress=progress)
-    out = write_csv(subs, folder, Path(args.csv) if getattr(args, "csv", None) else folder / "grades.csv")
+    subs = grade_folder(folder, timeout=args.timeout, solutions=_solutions(args), progress=progress,
+                        jobs=getattr(args, "jobs", 1), notebook_timeout=getattr(args, "notebook_timeout", None),
+                        hide=[csv_path.parent, *([feedback_dir] if feedback_dir else [])])
+    out = write_outputs(subs, csv_path, feedback_dir, isolation=mode)
+    rows = summary(subs)
     if args.json:
-        print(json.dumps([s.result.as_dict() if s.result else {"notebook": str(s.path), "error": s.problem}
+        print(json.dumps([{"student": s.student, **(s.result.as_dict() if s.result else
+                                                    {"notebook": str(s.path), "error": s.problem})}
                           for s in subs], indent=1))
+    elif rows:
+        print(summary_text(rows))
     failed = [s for s in subs if s.result is None]
-    print(f"[course] {len(subs) - len(failed)} of {len(subs)} notebooks graded; grades in {out}", file=sys.stderr)
+    where = ", ".join(str(p) for p in out.values())
+    print(f"[course] {len(subs) - len(failed)} of {len(subs)} notebooks graded; written: {where}",
+          file=sys.stderr)
     return 1 if failed else 0
 
 
 def check(args: argparse.Namespace) -> int:
-    """Run a learner's notebook against the visible tests and explain each result, with hints."""
+    """Run a learner's notebook against the visible tests, the way the grader runs them, with hints."""
     path = Path(args.notebook)
-    ex = find_exercise(read_notebook(path), path, _solutions(args))
+    ex = Catalog(_solutions(args), public=True).find(read_notebook(path), path)
     print(f"Checking {path} against the visible tests of exercise {ex.name} ...", flush=True)
-    result = grade_notebook(path, timeout=args.timeout, solutions=_solutions(args), hidden=False)
+    result = grade_notebook(path, timeout=args.timeout, exercise=ex, hidden=False, isolation="none")
     print()
     for q in result.questions:
         hint = ex.question(q.name).hint
         word = "to do" if q.message.startswith("not implemented") else STATUS_WORD[q.status]
-        head = f"  [{word}] {q.name} ({points_text(q.max_score)} points)"
+        head = f"  [{word}] {q.name} ({points_text(q.max_score)} point{'' if q.max_score == 1 else 's'})"
         print(head if q.status == "passed" else f"{head}: {q.message}")
         # a hint helps with the function, not with another cell that raised or a dead kernel
-        helps = q.status in ("failed", "timeout") or q.message.startswith("the test raised")
+        helps = q.status in ("failed", "timeout") or q.message.startswith("your code raised")
         if helps and hint and hint not in q.message:
             print(f"      hint: {hint}")
     passed = sum(q.status == "passed" for q in result.questions)
     print(f"\n{passed} of {len(result.questions)} questions pass their visible tests.")
     if passed == len(result.questions):
-        print("Well done. The grader also runs hidden tests: edge cases your code should handle too.")
+        print(f"All {ALL_VISIBLE_PASS}: the grader's hidden tests try other inputs and edge cases.")
     else:
         print("Fix the first one that is not ok, rerun its cells, then run `course check` again.")
     return 0 if passed == len(result.questions) else 1
+
+
+def release(args: argparse.Namespace) -> int:
+    """Write the learner's copy of the course to ``DEST`` (no solutions, no hidden tests)."""
+    from course_lib.grading.release import write_release
+
+    report = write_release(Path(args.dest), _solutions(args), force=getattr(args, "force", False))
+    print(f"[course] learner's copy in {report['dest']}: {report['files']} files; no solutions, "
+          f"no hidden tests (checked: {report['checked_lines']} hidden-test lines absent)")
+    return 0

@@ -1,7 +1,9 @@
 """Run a notebook's cells in a separate kernel, one at a time, with time limits; never hang.
 
 Learner code never runs in the grader's process: nbclient starts a fresh
-IPython kernel (its own process group, killed at the end). Each code cell gets
+IPython kernel inside a ``Sandbox`` (``course_lib.grading.isolation``), killed
+at the end with everything it started. Outputs are not kept (a cell that
+prints gigabytes cannot fill the grader's memory). Each code cell gets
 ``timeout`` seconds; the whole notebook gets ``total_timeout``. What happened
 to each cell is returned, not raised:
 
@@ -15,15 +17,14 @@ to each cell is returned, not raised:
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import math
 import os
 import re
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from queue import Empty
 
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
@@ -32,9 +33,9 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from nbclient.util import ensure_async
 from nbformat import NotebookNode
-from traitlets import default
 
 from course_lib.grading.exercise import GradingError
+from course_lib.grading.isolation import Sandbox
 
 STARTUP_TIMEOUT = 60     # seconds for a kernel to start on a busy laptop
 RECOVER_TIMEOUT = 10     # seconds an interrupted kernel gets to answer again before it is killed
@@ -54,18 +55,27 @@ class CellRun:
     cause: int | None = None  # for not_run: the cell whose crash or hang stopped the run
 
 
-class _ThisPythonSpecs(KernelSpecManager):
-    # Always this interpreter's ipykernel: a user-wide "python3" kernel could be
-    # another Python without torch or course_lib.
+class _SandboxSpecs(KernelSpecManager):
+    # Always this interpreter, started by the sandbox launcher: a user-wide "python3"
+    # kernel could be another Python, and the notebook's own kernelspec is the learner's.
+    # Interrupts travel as messages: a signal could not reach a kernel in its own namespace.
+    def __init__(self, argv: list[str]) -> None:
+        super().__init__()
+        self.argv = argv
+
     def get_kernel_spec(self, kernel_name: str) -> KernelSpec:
-        return KernelSpec(argv=[sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-                          display_name="Python 3 (course grader)", language="python")
+        return KernelSpec(argv=self.argv, display_name="Python 3 (course grader)", language="python",
+                          interrupt_mode="message")
 
 
-class _GraderKernelManager(AsyncKernelManager):
-    @default("kernel_spec_manager")
-    def _kernel_spec_manager_default(self) -> KernelSpecManager:
-        return _ThisPythonSpecs()
+class _Client(NotebookClient):
+    """nbclient without keeping outputs: the grade never looks at them."""
+
+    def output(self, outs, msg, display_id, cell_index):  # type: ignore[override]
+        return None
+
+    def handle_comm_msg(self, outs, msg, cell_index):  # type: ignore[override]
+        return None
 
 
 def _quiet_logger() -> logging.Logger:
@@ -108,31 +118,40 @@ async def _interrupt(client: NotebookClient) -> bool:
     return False
 
 
-async def _run_cells(nb: NotebookNode, cwd: Path, timeout: int, total_timeout: float,
+async def _run_cells(nb: NotebookNode, sandbox: Sandbox, timeout: int, total_timeout: float,
                      runs: list[CellRun]) -> None:
     replies: dict[int, dict] = {}
 
     def on_executed(cell: NotebookNode, cell_index: int, execute_reply: dict) -> None:
         replies[cell_index] = execute_reply.get("content", {}) if execute_reply else {}
 
-    client = NotebookClient(
-        nb, timeout=timeout, allow_errors=True, interrupt_on_timeout=False, kernel_name="python3",
-        kernel_manager_class=_GraderKernelManager, startup_timeout=STARTUP_TIMEOUT,
-        shutdown_kernel="immediate", record_timing=False, log=_quiet_logger(), on_cell_executed=on_executed,
+    km = AsyncKernelManager(kernel_name="python3", kernel_spec_manager=_SandboxSpecs(sandbox.argv()),
+                            connection_file=str(sandbox.connection_file), log=_quiet_logger())
+    client = _Client(
+        nb, km=km, timeout=timeout, allow_errors=True, interrupt_on_timeout=False, kernel_name="python3",
+        startup_timeout=STARTUP_TIMEOUT, shutdown_kernel="immediate", record_timing=False, log=_quiet_logger(),
+        on_cell_executed=on_executed,
     )
-    env = {**os.environ, "COURSE_PROGRESS": "0", "PYDEVD_DISABLE_FILE_VALIDATION": "1", "MPLBACKEND": "Agg"}
+    # the launcher's own environment: it builds the kernel's from nothing (isolation.kernel_env)
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"}
+    log = open(sandbox.log, "wb")
     try:
-        setup = client.async_setup_kernel(cleanup_kc=True, cwd=str(cwd), env=env,
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        setup = client.async_setup_kernel(cleanup_kc=True, cwd=str(sandbox.base), env=env,
+                                          stdout=subprocess.DEVNULL, stderr=log)
         await asyncio.wait_for(setup.__aenter__(), STARTUP_TIMEOUT + GRACE)
     except Exception as exc:
-        if client.km is not None:  # a half-started kernel must not outlive us
-            try:
-                await asyncio.wait_for(client.km.shutdown_kernel(now=True), GRACE)
-            except Exception:
-                pass
-        raise GradingError(f"could not start a Python kernel to grade with ({type(exc).__name__}: {exc}); "
-                           "check that ipykernel is installed in this environment (course doctor)") from None
+        atexit.unregister(client._cleanup_kernel)  # nbclient's exit hook would find no kernel manager
+        try:  # a half-started kernel must not outlive us
+            await asyncio.wait_for(km.shutdown_kernel(now=True), GRACE)
+        except Exception:
+            pass
+        log.close()
+        detail = sandbox.startup_log()
+        raise GradingError(
+            f"could not start a Python kernel to grade with ({type(exc).__name__}: {exc}; isolation "
+            f"{sandbox.mode}){': ' + detail if detail else ''}. Check that ipykernel is installed in this "
+            "environment (course doctor); with isolation by user id, the kernel's user must be able to read "
+            "the Python installation and this course's folder (or set COURSE_GRADER_ISOLATION=none)") from None
     deadline = time.monotonic() + total_timeout  # counted once the kernel is up: starting it has its own limit
     stopped, cause = "", None  # why the cells after this point do not run, and which cell did it
     try:
@@ -172,17 +191,23 @@ async def _run_cells(nb: NotebookNode, cwd: Path, timeout: int, total_timeout: f
             await asyncio.wait_for(setup.__aexit__(None, None, None), GRACE)
         except Exception:  # the kernel may be gone already; nothing left to clean
             pass
+        log.close()
 
 
-def run_notebook(nb: NotebookNode, cwd: Path, timeout: int = 60, total_timeout: float | None = None) -> list[CellRun]:
-    """Execute ``nb`` (changing its outputs) in a fresh kernel; one ``CellRun`` per cell.
+def run_notebook(nb: NotebookNode, sandbox: Sandbox, timeout: int = 60,
+                 total_timeout: float | None = None) -> list[CellRun]:
+    """Execute ``nb`` in a fresh kernel inside ``sandbox``; one ``CellRun`` per cell.
 
     ``timeout``: seconds per cell. ``total_timeout``: seconds for all cells
     (default: ten cells' worth, at least two minutes), so grading always ends.
+    The sandbox is left for the caller to read its results and close.
     """
     if timeout < 1:
         raise GradingError(f"the time limit per cell must be at least 1 second, got {timeout}")
     total = total_timeout if total_timeout is not None else max(120, 10 * timeout)
     runs = [CellRun() for _ in nb.cells]
-    asyncio.run(_run_cells(nb, Path(cwd), timeout, total, runs))
+    try:
+        asyncio.run(_run_cells(nb, sandbox, timeout, total, runs))
+    finally:
+        sandbox.kill_leftovers()
     return runs

@@ -7,11 +7,27 @@ same files):
   and holds a typed function whose body sits between ``### BEGIN SOLUTION``
   and ``### END SOLUTION``; the first line inside may be ``# HINT: <sentence>``;
 - the *test cell* right after it has ``{"grade": true, "solution": false,
-  "points": P, "grade_id": "qN_<name>_test"}``: visible asserts, then hidden
-  ones between ``### BEGIN HIDDEN TESTS`` and ``### END HIDDEN TESTS``.
+  "points": P, "grade_id": "qN_<name>_test"}``: the visible tests, then the
+  hidden ones between ``### BEGIN HIDDEN TESTS`` and ``### END HIDDEN TESTS``
+  (last in the cell). Each of the two is written in three sections::
+
+      <inputs: build the test's inputs; never call the learner's code>
+      ### ANSWERS
+      <call the learner's functions; put what the checks need in the dict ``got``>
+      ### CHECKS
+      <asserts on ``got``; references computed here>
+
+  Run top to bottom (in Jupyter, or by nbgrader) the cell is an ordinary test.
+  The grader instead runs the inputs and answers in the learner's kernel and
+  sends ``got`` out as plain data (``course_lib.grading.wire``), then runs the
+  inputs again and the checks in its own process, which never runs learner
+  code. A test cell's ``metadata.course.forbid`` may list what the answer must
+  not call (``"course_lib.memory.zero_memory"``, see ``course_lib.grading.forbid``).
 
 A question is named by its test cell's ``grade_id`` and owns the cells after
-the previous test cell, up to and including its own.
+the previous test cell, up to and including its own. Code cells that are
+neither solution nor test cells (the imports) run in both places, in order:
+the learner's copy in the kernel, the instructor's in the grader.
 """
 
 from __future__ import annotations
@@ -26,14 +42,37 @@ import nbformat
 from nbformat import NotebookNode
 
 ROOT = Path(__file__).resolve().parents[2]
+EXERCISES = ROOT / "exercises"
 BEGIN_SOLUTION, END_SOLUTION = "BEGIN SOLUTION", "END SOLUTION"
 BEGIN_HIDDEN, END_HIDDEN = "BEGIN HIDDEN TESTS", "END HIDDEN TESTS"
+ANSWERS, CHECKS = "### ANSWERS", "### CHECKS"   # section markers, each alone on its line
 HINT = re.compile(r"^\s*#\s*HINT:\s*(?P<hint>.+?)\s*$")
 META_KEY = "course"  # notebook metadata the generated exercises carry: {"exercise": "<stem>"}
 
 
 class GradingError(ValueError):
     """A notebook cannot be graded (not JSON, not a notebook, not an exercise of this course)."""
+
+
+@dataclass(frozen=True)
+class Section:
+    """Source of one section of a test cell, and the 1-based cell line it starts at (for tracebacks)."""
+
+    source: str
+    line: int
+
+    def code(self, filename: str):
+        """Compiled, with line numbers as in the test cell."""
+        return compile("\n" * (self.line - 1) + self.source, filename, "exec")
+
+
+@dataclass(frozen=True)
+class Part:
+    """The visible tests or the hidden tests of a test cell: inputs, answers, checks."""
+
+    inputs: Section
+    answers: Section
+    checks: Section
 
 
 @dataclass(frozen=True)
@@ -45,6 +84,9 @@ class Question:
     test_source: str          # the instructor's test cell, hidden tests included
     solution_id: str | None   # grade_id of the solution cell before it, if any
     hint: str | None          # the solution's "# HINT:" line, if any
+    visible: Part | None = None
+    hidden: Part | None = None
+    forbid: tuple[str, ...] = ()   # dotted names the learner's code must not use for this question
 
     @property
     def is_implementation(self) -> bool:
@@ -71,6 +113,17 @@ class Exercise:
     def cell_ids(self) -> set[str]:
         """Every nbgrader grade_id in the notebook (solution and test cells)."""
         return {i for i in (grade_id(c) for c in self.notebook.cells) if i}
+
+    def steps(self) -> list[tuple[str, object]]:
+        """The instructor's notebook in order, as the grader replays it: ``("setup", source)`` for a plain
+        code cell, ``("question", Question)`` for a test cell (solution cells are the learner's: skipped)."""
+        out: list[tuple[str, object]] = []
+        for cell in self.notebook.cells:
+            if is_test_cell(cell):
+                out.append(("question", self.question(grade_id(cell))))
+            elif cell.get("cell_type") == "code" and not is_solution_cell(cell) and cell.source.strip():
+                out.append(("setup", cell.source))
+        return out
 
 
 def nbgrader_meta(cell: NotebookNode) -> dict:
@@ -116,6 +169,20 @@ def hints(source: str) -> list[str | None]:
     return out
 
 
+def stub_hints(source: str) -> list[str | None]:
+    """The messages of ``raise NotImplementedError("...")`` stubs (the hints of a generated exercise)."""
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    return [node.exc.args[0].value for node in ast.walk(tree)
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
+            and getattr(node.exc.func, "id", None) == "NotImplementedError" and node.exc.args
+            and isinstance(node.exc.args[0], ast.Constant) and isinstance(node.exc.args[0].value, str)]
+
+
 def _check_regions(source: str, begin: str, end: str, where: str) -> None:
     depth = 0
     for line in source.splitlines():
@@ -127,6 +194,62 @@ def _check_regions(source: str, begin: str, end: str, where: str) -> None:
             raise GradingError(f"{where}: '{begin}' and '{end}' are unbalanced or nested")
     if depth:
         raise GradingError(f"{where}: '{begin}' has no matching '{end}'")
+
+
+def _sections(lines: list[tuple[int, str]], where: str) -> Part:
+    """Split numbered lines at the ``### ANSWERS`` and ``### CHECKS`` markers."""
+    marks = {ANSWERS: [], CHECKS: []}
+    for k, (_, line) in enumerate(lines):
+        if line.strip() in marks:
+            marks[line.strip()].append(k)
+    if len(marks[ANSWERS]) != 1 or len(marks[CHECKS]) != 1 or marks[ANSWERS][0] > marks[CHECKS][0]:
+        raise GradingError(f"{where}: write the tests as inputs, then a line '{ANSWERS}', the calls of the "
+                           f"learner's functions (filling the dict `got`), then a line '{CHECKS}' and the "
+                           "asserts; each marker once, in that order")
+    a, c = marks[ANSWERS][0], marks[CHECKS][0]
+
+    def section(chunk: list[tuple[int, str]], start: int) -> Section:
+        return Section("\n".join(line for _, line in chunk), chunk[0][0] if chunk else start)
+
+    first = lines[0][0] if lines else 1
+    return Part(section(lines[:a], first), section(lines[a + 1:c], lines[a][0] + 1),
+                section(lines[c + 1:], lines[c][0] + 1))
+
+
+def split_test(source: str, where: str) -> tuple[Part, Part | None]:
+    """The visible and the hidden part of a test cell (``None`` when it has no hidden tests)."""
+    visible: list[tuple[int, str]] = []
+    hidden: list[tuple[int, str]] | None = None
+    inside, closed = False, False
+    for n, line in enumerate(source.splitlines(), start=1):
+        if BEGIN_HIDDEN in line:
+            inside, hidden = True, []
+        elif END_HIDDEN in line:
+            inside, closed = False, True
+        elif inside:
+            hidden.append((n, line))  # type: ignore[union-attr]
+        elif closed and line.strip() and not line.strip().startswith("#"):
+            raise GradingError(f"{where}: the hidden tests must come last in the test cell")
+        elif not closed:
+            visible.append((n, line))
+    parts = (_sections(visible, f"{where} (visible tests)"),
+             _sections(hidden, f"{where} (hidden tests)") if hidden is not None else None)
+    for part, kind in zip(parts, ("visible", "hidden")):
+        for name in ("inputs", "answers", "checks"):
+            if part is not None:
+                try:
+                    getattr(part, name).code(where)
+                except SyntaxError as exc:
+                    raise GradingError(f"{where}: the {kind} tests' {name} are not valid Python "
+                                       f"(line {exc.lineno}: {exc.msg})") from None
+    return parts
+
+
+def _forbidden(cell: NotebookNode, where: str) -> tuple[str, ...]:
+    names = cell.get("metadata", {}).get(META_KEY, {}).get("forbid", [])
+    if not isinstance(names, list) or not all(isinstance(n, str) and "." in n for n in names):
+        raise GradingError(f"{where}: metadata.{META_KEY}.forbid must be a list of dotted names, got {names!r}")
+    return tuple(names)
 
 
 def parse_exercise(nb: NotebookNode, path: Path) -> Exercise:
@@ -160,11 +283,20 @@ def parse_exercise(nb: NotebookNode, path: Path) -> Exercise:
             if not isinstance(points, (int, float)) or isinstance(points, bool) or points <= 0:
                 raise GradingError(f"{where}: test cell {gid!r} needs positive 'points', got {points!r}")
             found = hints(last_solution.source) if last_solution is not None else []
+            found = found or (stub_hints(last_solution.source) if last_solution is not None else [])
+            visible, hidden = split_test(source, where)
             ex.questions.append(Question(
                 name=gid, points=points, test_source=source,
                 solution_id=grade_id(last_solution) if last_solution is not None else None,
-                hint=next((h for h in found if h), None)))
+                hint=next((h for h in found if h), None), visible=visible, hidden=hidden,
+                forbid=_forbidden(cell, where)))
             last_solution = None
+        elif cell.get("cell_type") == "code" and source.strip():
+            try:
+                compile(source, where, "exec")
+            except SyntaxError as exc:
+                raise GradingError(f"{where}: the grader replays this cell in plain Python, which it is not "
+                                   f"(line {exc.lineno}: {exc.msg}); no IPython magics here") from None
     if not ex.questions:
         raise GradingError(f"{path} has no graded test cell (nbgrader metadata with \"grade\": true)")
     return ex
@@ -175,7 +307,12 @@ def read_notebook(path: Path) -> NotebookNode:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no such notebook: {path}")
-    text = path.read_text(encoding="utf-8", errors="replace")
+    return notebook_from_bytes(path.read_bytes(), path)
+
+
+def notebook_from_bytes(data: bytes, path: Path) -> NotebookNode:
+    """A notebook from the bytes of the file ``path`` (named in errors)."""
+    text = data.decode("utf-8", errors="replace")
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -196,48 +333,64 @@ def solutions_dir(override: Path | str | None = None) -> Path:
     return Path(override or os.environ.get("COURSE_SOLUTIONS") or ROOT / "solutions")
 
 
-def load_exercise(name: str, directory: Path | str | None = None) -> Exercise:
-    """Parse ``<solutions>/<name>.ipynb``."""
-    path = solutions_dir(directory) / f"{name}.ipynb"
+def exercise_dir(override: Path | str | None = None, public: bool = False) -> Path:
+    """The folder the exercises are read from: the solutions; with ``public`` (``course check``), the
+    generated ``exercises/`` when there are no solutions (the learner's copy of the course)."""
+    sol = solutions_dir(override)
+    if sol.is_dir() and any(sol.glob("*.ipynb")):
+        return sol
+    if public and override is None and any(EXERCISES.glob("*.ipynb")):
+        return EXERCISES
+    raise GradingError(
+        f"no solutions notebooks in {sol}: this looks like the learner's copy of the course (`course release`), "
+        "which has only the visible tests. Grade from the instructor's repository, or set COURSE_SOLUTIONS "
+        "to the folder of the solutions notebooks")
+
+
+def load_exercise(name: str, directory: Path | str | None = None, public: bool = False) -> Exercise:
+    """Parse ``<solutions>/<name>.ipynb`` (with ``public``, possibly ``exercises/<name>.ipynb``)."""
+    path = exercise_dir(directory, public) / f"{name}.ipynb"
     return parse_exercise(read_notebook(path), path)
 
 
-def find_exercise(nb: NotebookNode, path: Path, directory: Path | str | None = None) -> Exercise:
-    """The exercise a learner's notebook is a copy of: by its metadata, else by its file name.
+class Catalog:
+    """Every exercise of the solutions folder (``public``: possibly the generated ``exercises/``), read into
+    memory at once, so that what a learner's code does later cannot change them."""
 
-    A submission may be renamed (``alice_01_memory_anatomy.ipynb``), so a file
-    name that contains an exercise's name matches it (the longest wins).
-    """
-    known = sorted(p.stem for p in solutions_dir(directory).glob("*.ipynb"))
-    meta = nb.metadata.get(META_KEY)
-    tagged = meta.get("exercise") if isinstance(meta, dict) else None
-    inside = [k for k in known if k in Path(path).stem]
-    if tagged in known:
-        name = tagged
-    elif inside:
-        name = max(inside, key=len)
-    else:
-        name = _by_cell_ids(nb, known, directory)
-        if name is None:
+    def __init__(self, directory: Path | str | None = None, public: bool = False) -> None:
+        self.folder = exercise_dir(directory, public)
+        self.exercises = {p.stem: parse_exercise(read_notebook(p), p) for p in sorted(self.folder.glob("*.ipynb"))}
+
+    def find(self, nb: NotebookNode, path: Path) -> Exercise:
+        """The exercise a learner's notebook is a copy of: by its metadata, else by its file name, else by its
+        cells. A submission may be renamed (``alice_01_memory_anatomy.ipynb``), so a file name that contains
+        an exercise's name matches it (the longest wins)."""
+        known = sorted(self.exercises)
+        meta = nb.metadata.get(META_KEY)
+        tagged = meta.get("exercise") if isinstance(meta, dict) else None
+        inside = [k for k in known if k in Path(path).stem]
+        ids = {grade_id(c) for c in nb.cells} - {None}
+        if tagged in known:
+            name = tagged
+        elif inside:
+            name = max(inside, key=len)
+        else:
+            overlap = {k: len(ids & self.exercises[k].cell_ids()) for k in known}
+            name = max(overlap, key=overlap.get, default=None)
+            if name is None or overlap[name] == 0:
+                raise GradingError(
+                    f"{path} is not an exercise of this course: neither its name, its metadata nor its cells "
+                    f"match one of {', '.join(known) or '(no solutions notebooks found)'}. "
+                    "Keep the exercise's file name (for example 01_memory_anatomy.ipynb).")
+        ex = self.exercises[name]
+        if not ex.cell_ids() & ids:
             raise GradingError(
-                f"{path} is not an exercise of this course: neither its name, its metadata nor its cells "
-                f"match one of {', '.join(known) or '(no solutions notebooks found)'}. "
-                "Keep the exercise's file name (for example 01_memory_anatomy.ipynb)."
-            )
-    ex = load_exercise(name, directory)
-    if not ex.cell_ids() & {grade_id(c) for c in nb.cells}:
-        raise GradingError(
-            f"{path} is named like exercise {name} but none of its cells is one of that exercise's "
-            "(no matching nbgrader grade_id): start again from a fresh copy of exercises/" + name + ".ipynb"
-        )
-    return ex
+                f"{path} is named like exercise {name} but none of its cells is one of that exercise's "
+                "(no matching nbgrader grade_id): start again from a fresh copy of exercises/" + name + ".ipynb")
+        return ex
 
 
-def _by_cell_ids(nb: NotebookNode, known: list[str], directory: Path | str | None) -> str | None:
-    """The exercise sharing the most grade_ids with ``nb`` (a renamed copy whose metadata was lost)."""
-    ids = {grade_id(c) for c in nb.cells} - {None}
-    if not ids:
-        return None
-    overlap = {name: len(ids & load_exercise(name, directory).cell_ids()) for name in known}
-    best = max(overlap, key=overlap.get, default=None)
-    return best if best is not None and overlap[best] > 0 else None
+def find_exercise(nb: NotebookNode, path: Path, directory: Path | str | None = None,
+                  public: bool = False) -> Exercise:
+    """The exercise a learner's notebook is a copy of (see ``Catalog.find``)."""
+    return Catalog(directory, public).find(nb, path)

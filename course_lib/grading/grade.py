@@ -1,18 +1,19 @@
 """Grade a learner's notebook against the instructor's tests (``course grade`` and ``course check``).
 
-The learner's copy is never trusted for its tests. The notebook that runs is
-built from the learner's cells, except that:
-
-- every cell that carries one of the exercise's test ids gets the instructor's
-  source (hidden tests included when grading); a second copy of it is dropped;
-- a test cell the learner deleted is put back after its solution cell;
-- a cell that claims to be a graded test with an id the exercise does not
-  have is dropped (it could only mislead);
-- points always come from the instructor's notebook.
+Nothing the learner's kernel says about a test is believed; only what its
+answers are. The notebook that runs is built from the learner's cells, except
+that in place of every test cell (the learner's copy is never used; a
+deleted one is put back after its solution cell; a made-up one is dropped)
+runs a *producer*: the instructor's inputs and answers sections of that test
+(hidden ones too when grading), ending with ``wire.dump(got, ...)``. The kernel
+runs in a ``Sandbox``. Then, in this process, the answers are decoded as plain
+data and the instructor's checks run on them (``checker.Checker``); the
+learner's source is read for what the question forbids (``forbid``).
 
 A question owns the cells from just after the previous test cell up to its own
 test cell. It scores its points only when all of them ran without an error, a
-timeout or a dead kernel.
+timeout or a dead kernel, its answers could be read, every check passed, and
+nothing it forbids is used.
 """
 
 from __future__ import annotations
@@ -21,29 +22,34 @@ import copy
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import nbformat
 from nbformat import NotebookNode
 
+from course_lib.grading import forbid, wire
+from course_lib.grading.checker import Checker, Verdict, reseed_source, uses_torch
 from course_lib.grading.exercise import (
-    BEGIN_HIDDEN, END_HIDDEN, Exercise, Question, find_exercise, grade_id, is_test_cell, read_notebook,
+    Exercise, Question, find_exercise, grade_id, is_test_cell, notebook_from_bytes,
 )
 from course_lib.grading.execute import CellRun, run_notebook
+from course_lib.grading.isolation import Sandbox, detect
 
-STATUSES = ("passed", "failed", "error", "timeout")
+STATUSES = ("passed", "failed", "error", "timeout", "rejected")
 _CELL_LINE = re.compile(r"Cell In\[\d+\], line (\d+)")
 _MAX_MESSAGE = 400  # characters; a long traceback belongs in the notebook, not the report
 
 
 @dataclass
 class QuestionResult:
-    """One question's outcome; ``status`` is one of ``STATUSES``."""
+    """One question's outcome; ``status`` is one of ``STATUSES``; ``hidden``: what failed is a hidden test."""
 
     name: str
     score: float
     max_score: float
     status: str
     message: str = ""
+    hidden: bool = False
 
 
 @dataclass
@@ -53,6 +59,7 @@ class GradeResult:
     notebook: str
     exercise: str
     questions: list[QuestionResult] = field(default_factory=list)
+    isolation: str = ""
 
     @property
     def score(self) -> float:
@@ -65,12 +72,39 @@ class GradeResult:
     def as_dict(self) -> dict:
         """The ``--json`` form: notebook, score, max_score, questions."""
         return {"notebook": self.notebook, "score": self.score, "max_score": self.max_score,
-                "questions": [asdict(q) for q in self.questions]}
+                "questions": [{k: v for k, v in asdict(q).items() if k != "hidden"} for q in self.questions]}
 
 
 def points_text(x: float) -> str:
     """Points as people write them: ``3``, ``2.5``."""
     return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+# ----- the notebook the kernel runs --------------------------------------------------------------
+
+
+@dataclass
+class Producer:
+    """The source that replaces a test cell in the kernel, and which part each of its lines comes from."""
+
+    source: str
+    lines: dict[int, str]   # line number -> "visible" or "hidden"
+
+
+def producer(q: Question, hidden: bool, answers_path: str, torch_too: bool) -> Producer:
+    """Inputs and answers of ``q`` (the hidden ones when ``hidden``), then ``got`` saved to ``answers_path``."""
+    out: list[str] = [reseed_source(torch_too), "from course_lib.grading.checks import raised"]
+    lines: dict[int, str] = {}
+    parts = [("visible", q.visible)] + ([("hidden", q.hidden)] if hidden and q.hidden is not None else [])
+    for kind, part in parts:
+        if kind == "hidden":
+            out.append(reseed_source(torch_too))
+        for section in (part.inputs, part.answers):
+            for line in section.source.splitlines():
+                out.append(line)
+                lines[len(out)] = kind
+    out.append(f"from course_lib.grading.wire import dump as _course_dump; _course_dump(got, {answers_path!r})")
+    return Producer("\n".join(out), lines)
 
 
 def build_run_notebook(learner: NotebookNode, ex: Exercise,
@@ -104,9 +138,8 @@ def build_run_notebook(learner: NotebookNode, ex: Exercise,
     # cells after the last test belong to no question: running them could only cost time
     last = max(test_at.values())
     del nb.cells[last + 1:], labels[last + 1:]
-    for name, at in test_at.items():
-        if labels[at] != "the test cell":
-            labels[at] = f"the test ({labels[at]})"
+    for at in test_at.values():
+        labels[at] = "the test cell"
     return nb, labels, test_at
 
 
@@ -132,17 +165,17 @@ def _insert_position(nb: NotebookNode, q: Question, ex: Exercise, test_at: dict[
     return test_at[before[-1]] + 1 if before else len(nb.cells)
 
 
-def _hidden_lines(source: str) -> set[int]:
-    """1-based line numbers inside the hidden-test regions of a test cell."""
-    hidden, inside = set(), False
-    for n, line in enumerate(source.splitlines(), start=1):
-        if BEGIN_HIDDEN in line:
-            inside = True
-        elif END_HIDDEN in line:
-            inside = False
-        elif inside:
-            hidden.add(n)
-    return hidden
+def owned_cells(nb: NotebookNode, test_at: dict[str, int]) -> dict[int, list[int]]:
+    """Test cell position -> the code cells of its question (from after the previous test up to it)."""
+    owner: dict[int, list[int]] = {}
+    start = 0
+    for at in sorted(test_at.values()):
+        owner[at] = [i for i in range(start, at + 1) if nb.cells[i].cell_type == "code"]
+        start = at + 1
+    return owner
+
+
+# ----- scoring -----------------------------------------------------------------------------------
 
 
 def _short(text: str) -> str:
@@ -150,62 +183,95 @@ def _short(text: str) -> str:
     return text if len(text) <= _MAX_MESSAGE else text[: _MAX_MESSAGE - 3] + "..."
 
 
-def _judge(q: Question, cells: list[int], test: int, nb: NotebookNode, labels: list[str],
-           runs: list[CellRun]) -> QuestionResult:
-    """The first thing that went wrong in a question's cells decides its status."""
-    def result(status: str, message: str) -> QuestionResult:
-        return QuestionResult(q.name, q.points if status == "passed" else 0, q.points, status, _short(message))
+def _result(q: Question, status: str, message: str, hidden: bool = False) -> QuestionResult:
+    return QuestionResult(q.name, q.points if status == "passed" else 0, q.points, status, _short(message), hidden)
 
+
+def _judge_cells(q: Question, cells: list[int], test: int, labels: list[str], runs: list[CellRun],
+                 prod: Producer) -> QuestionResult | None:
+    """The first thing that went wrong in a question's cells in the kernel, if anything did."""
     for i in cells:
         run, label = runs[i], labels[i]
         if run.status == "not_run":
             where = f", in {labels[run.cause]}" if run.cause is not None else ""
-            return result("timeout" if "overall limit" in run.evalue else "error", f"not run: {run.evalue}{where}")
+            return _result(q, "timeout" if "overall limit" in run.evalue else "error", f"not run: {run.evalue}{where}")
         if run.status == "timeout":
             what = "the test" if i == test else label
-            return result("timeout", f"{what} {run.evalue} (an endless loop, or too slow?)")
+            return _result(q, "timeout", f"{what} {run.evalue} (an endless loop, or too slow?)")
         if run.status == "dead":
-            return result("error", f"the kernel died while running {label} (os._exit, a crash, or out of memory); "
-                                   "nothing after it can pass")
+            return _result(q, "error", f"the kernel died while running {label} (os._exit, a crash, or out of "
+                                       "memory); nothing after it can pass")
         if run.status == "error" and i != test:
-            return result("error", f"{label} raised {run.ename}: {run.evalue}; "
-                                   "every cell of a question must run without an error")
+            return _result(q, "error", f"{label} raised {run.ename}: {run.evalue}; "
+                                       "every cell of a question must run without an error")
     run = runs[test]
     if run.status != "error":
-        return result("passed", "")
+        return None
+    m = _CELL_LINE.search(run.traceback)
+    hidden = bool(m) and prod.lines.get(int(m[1])) == "hidden"
+    inputs = "the hidden tests' inputs" if hidden else "the test's inputs"
     if run.ename == "NotImplementedError":
-        return result("error", f"not implemented yet: {run.evalue}")
-    if run.ename == "AssertionError":
-        m = _CELL_LINE.search(run.traceback)
-        kind = "a hidden test" if m and int(m[1]) in _hidden_lines(nb.cells[test].source) else "a test"
-        return result("failed", f"{kind} failed: {run.evalue or 'an assert is false'}")
-    return result("error", f"the test raised {run.ename}: {run.evalue}")
+        return _result(q, "error", f"not implemented yet: {run.evalue}")
+    if run.ename == "WireError":
+        return _result(q, "error", f"your answer cannot be sent to the grader: {run.evalue}", hidden)
+    return _result(q, "error", f"your code raised {run.ename} on {inputs}: {run.evalue}", hidden)
 
 
-def score(ex: Exercise, nb: NotebookNode, labels: list[str], test_at: dict[str, int],
-          runs: list[CellRun]) -> list[QuestionResult]:
-    """One result per question, in the exercise's order."""
-    owner: dict[int, list[int]] = {}
-    start = 0
-    for at in sorted(test_at.values()):
-        owner[at] = [i for i in range(start, at + 1) if nb.cells[i].cell_type == "code"]
-        start = at + 1
-    return [_judge(q, owner[test_at[q.name]], test_at[q.name], nb, labels, runs) for q in ex.questions]
+def _read_answers(sandbox: Sandbox, ex: Exercise, runs: list[CellRun],
+                  test_at: dict[str, int]) -> dict[str, Any]:
+    """Question -> its decoded answers, or the ``WireError`` that says why they cannot be read."""
+    out: dict[str, Any] = {}
+    for q in ex.questions:
+        if runs[test_at[q.name]].status != "ok":
+            continue
+        try:
+            out[q.name] = wire.load(str(sandbox.results / f"{q.name}.answers"))
+        except wire.WireError as exc:
+            out[q.name] = exc
+    return out
 
 
 def grade_notebook(path: Path | str, timeout: int = 60, solutions: Path | str | None = None,
-                   hidden: bool = True, total_timeout: float | None = None) -> GradeResult:
-    """Grade one learner notebook; ``hidden=False`` runs only the visible tests (``course check``)."""
-    path = Path(path)
-    learner = read_notebook(path)
-    ex = find_exercise(learner, path, solutions)
-    if hidden:
-        tests = {q.name: q.test_source for q in ex.questions}
-    else:
-        from course_lib.grading.assign import make_exercise
+                   hidden: bool = True, total_timeout: float | None = None, exercise: Exercise | None = None,
+                   isolation: str | None = None, hide: list[Path] | None = None, threads: int = 1,
+                   data: bytes | None = None) -> GradeResult:
+    """Grade one learner notebook; ``hidden=False`` runs only the visible tests (``course check``).
 
-        public = make_exercise(ex.notebook, ex.name)
-        tests = {grade_id(c): c.source for c in public.cells if is_test_cell(c)}
-    nb, labels, test_at = build_run_notebook(learner, ex, tests)
-    runs = run_notebook(nb, cwd=path.resolve().parent, timeout=timeout, total_timeout=total_timeout)
-    return GradeResult(notebook=str(path), exercise=ex.name, questions=score(ex, nb, labels, test_at, runs))
+    ``exercise``: the instructor's exercise, already read (else found from the
+    notebook and ``solutions``). ``isolation``: a mode of ``isolation.MODES``
+    (default: the strongest this machine allows when grading, ``none`` for a
+    check). ``hide``: folders the kernel must not see (the class's submissions,
+    the grades). ``data``: the notebook's bytes, already read.
+    """
+    path = Path(path)
+    data = path.read_bytes() if data is None else data
+    learner = notebook_from_bytes(data, path)
+    ex = exercise or find_exercise(learner, path, solutions)
+    mode = isolation or (detect() if hidden else "none")
+    torch_too = uses_torch(ex)
+    with Sandbox(mode, path.name, data, hide=list(hide or []), threads=threads) as sandbox:
+        prods = {q.name: producer(q, hidden, str(sandbox.results / f"{q.name}.answers"), torch_too)
+                 for q in ex.questions}
+        nb, labels, test_at = build_run_notebook(learner, ex, {k: p.source for k, p in prods.items()})
+        runs = run_notebook(nb, sandbox, timeout=timeout, total_timeout=total_timeout)
+        answers = _read_answers(sandbox, ex, runs, test_at)
+    verdicts = Checker(ex, hidden).check({k: v for k, v in answers.items() if not isinstance(v, wire.WireError)})
+    owner = owned_cells(nb, test_at)
+    tests = set(test_at.values())
+    code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and i not in tests]
+    sources, code_labels = [nb.cells[i].source for i in code], [labels[i] for i in code]
+    results = []
+    for q in ex.questions:
+        at = test_at[q.name]
+        found = _judge_cells(q, owner[at], at, labels, runs, prods[q.name])
+        if found is None and isinstance(answers.get(q.name), wire.WireError):
+            found = _result(q, "error", f"your answers could not be read: {answers[q.name]}")
+        if found is None:
+            v: Verdict = verdicts.get(q.name, Verdict("error", "the checks did not run"))
+            found = _result(q, v.status, v.message, v.hidden)
+        used = forbid.violations(sources, [k for k, i in enumerate(code) if i in owner[at]], q.forbid, code_labels)
+        if used:
+            found = _result(q, "rejected", "this question asks you to write it yourself, but your code "
+                                           + "; ".join(used))
+        results.append(found)
+    return GradeResult(notebook=str(path), exercise=ex.name, questions=results, isolation=mode)

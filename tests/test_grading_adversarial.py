@@ -1,0 +1,166 @@
+"""A learner who can write any Python in the notebook, put files beside it and has read the grader's source
+scores at most what their honest work is worth, and cannot touch the grader, the instructor's files or
+the other learners.
+
+One class folder holds every attack of ``adversarial.py`` next to honest submissions; it is graded once,
+by ``course grade -j 2`` in a subprocess (so that a submission that kills its grader could only kill that),
+and every test below reads that one run.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import psutil
+import pytest
+
+import adversarial as A
+from course_lib.grading import isolation
+from course_lib.grading.exercise import Catalog
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKEN = f"course-detached-{os.getpid()}"
+STRONG = isolation.detect() in ("namespaces+uid", "uid", "namespaces")
+
+LEAK = A.Attack(
+    "leaks_hidden_tests", "02_batch_size", honest=0,
+    what="raises errors whose message is the test cell's own source, hoping the feedback shows the hidden tests",
+    cells={"q1_max_batch_size": '''
+import linecache, sys
+
+def max_batch_size(budget_bytes, fixed_bytes, per_sample_bytes):
+    lines = linecache.getlines(sys._getframe(1).f_code.co_filename)
+    raise ValueError(" | ".join(line.strip() for line in lines[-6:]))'''})
+
+FORGED = A.Attack(
+    "forged_answers", "07_pipeline_parallel", honest=0,
+    what="replaces the answers the kernel sends by the visible tests' expected values, and claims every error",
+    cells={"q1_one_f_one_b": '''
+import sys
+from course_lib.grading import checks, wire
+
+checks.raised = lambda *args, **kwargs: "ValueError: of course"
+_real_dump = wire.dump
+_known = {"q1": {"4, 6, 0": [("F", 0), ("F", 1), ("F", 2), ("F", 3), ("B", 0), ("F", 4), ("B", 1), ("F", 5),
+                              ("B", 2), ("B", 3), ("B", 4), ("B", 5)]},
+          "q3": {"4, 0.2": 12, "4, 0.75": 1, "1, 0": 1, "4, 0": "ValueError: of course"}}
+
+def _forge(got, path):
+    for answers in _known.values():
+        if set(answers) & set(got):
+            got = {**got, **answers}
+    _real_dump(got, path)
+
+wire.dump = _forge
+
+def one_f_one_b_stage(num_stages, num_microbatches, stage):
+    return []''',
+           "q3_min_microbatches": "def min_microbatches(num_stages, max_bubble):\n    return 1"})
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory) -> dict:
+    """The class folder, graded once: rows by student, the solutions' bytes before, and the run itself."""
+    base = tmp_path_factory.mktemp("adversarial")
+    solutions = base / "solutions"
+    shutil.copytree(ROOT / "solutions", solutions)
+    before = {p.name: p.read_bytes() for p in solutions.glob("*.ipynb")}
+    folder = base / "class"
+    attacks = [*A.IN_KERNEL, A.rewrite_solutions(solutions), A.COPY_CLASSMATE, A.KILLER, A.detached(TOKEN), LEAK,
+               FORGED]
+    for attack in attacks:
+        attack.write(folder)
+    A.write_solution(folder, "02_batch_size", "zz_classmate")   # what the copier hopes to find
+    A.write_solution(folder, "01_memory_anatomy", "zz_after_the_killer")
+    later = folder / "zz_later_learner"                          # graded after the solutions were attacked
+    later.mkdir()
+    shutil.copy(ROOT / "exercises" / "02_batch_size.ipynb", later)
+    out = base / "out"
+    env = {**os.environ, "COURSE_SOLUTIONS": str(solutions), "PYTHONPATH": str(ROOT)}
+    start = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "course_lib.cli", "grade", str(folder), "-j", "2", "--timeout", "60",
+                          "--csv", str(out / "grades.csv")], capture_output=True, text=True, env=env, timeout=900)
+    seconds = time.monotonic() - start
+    csv_text = (out / "grades.csv").read_text() if (out / "grades.csv").exists() else ""
+    rows = {r["student"]: r for r in csv.DictReader(csv_text.splitlines())}
+    doc = json.loads((out / "grades.json").read_text()) if (out / "grades.json").exists() else {}
+    print(f"graded {len(rows)} notebooks in {seconds:.0f} s, isolation {doc.get('isolation')}")
+    return {"run": run, "rows": rows, "json": doc, "csv": out / "grades.csv", "csv_text": csv_text, "out": out,
+            "solutions": solutions, "before": before, "attacks": {a.name: a for a in attacks}}
+
+
+@pytest.mark.parametrize("name", [a.name for a in A.IN_KERNEL + [FORGED, LEAK]])
+def test_an_attack_scores_at_most_its_honest_work(graded, name):
+    row = graded["rows"].get(name)
+    assert row is not None, f"{name} has no row:\n{graded['run'].stderr[-2000:]}"
+    attack = graded["attacks"][name]
+    assert row["score"] != "", f"{name} was not graded: {row['problem']}"
+    assert float(row["score"]) <= attack.honest, f"{name} ({attack.what}) scored {row['score']}: {row['problem']}"
+
+
+def test_an_answer_that_is_one_call_into_the_library_is_rejected(graded):
+    rows = graded["rows"]
+    assert rows["always_equal"]["q3_zero_bytes_per_device_test_reason"].startswith("rejected: ")
+    assert "course_lib.memory.zero_memory" in rows["always_equal"]["q3_zero_bytes_per_device_test_reason"]
+    assert "course_lib.distributed.ddp.assign_buckets" in rows["patched_torch"]["q2_assign_buckets_test_reason"]
+
+
+def test_the_honest_part_of_an_attack_still_scores(graded):
+    rows = graded["rows"]
+    assert rows["redefined_abs"]["q1_max_batch_size_test"] == "2", "builtins patched later do not cost q1"
+    assert rows["replaced_reference"]["q2_zero1_step_test"] == "3"
+
+
+@pytest.mark.skipif(not STRONG, reason="this machine gives the kernel no isolation: see isolation.detect()")
+def test_a_killer_kills_nothing_and_everyone_is_graded(graded):
+    run, rows = graded["run"], graded["rows"]
+    assert run.returncode == 0, f"every notebook should be graded:\n{run.stderr[-3000:]}"
+    assert rows["killer"]["score"] == "0" and rows["zz_after_the_killer"]["score"] == "7"
+    assert all(r["score"] != "" for r in rows.values()), [r["student"] for r in rows.values() if r["score"] == ""]
+
+
+@pytest.mark.skipif(not STRONG, reason="this machine gives the kernel no isolation: see isolation.detect()")
+def test_instructor_files_and_classmates_are_out_of_reach(graded):
+    rows = graded["rows"]
+    after = {p.name: p.read_bytes() for p in graded["solutions"].glob("*.ipynb")}
+    assert after == graded["before"], "a submission changed the instructor's solutions"
+    assert rows["zz_later_learner"]["score"] == "0", "a later learner is graded with the full tests"
+    assert rows["zz_classmate"]["score"] == "8"
+    assert rows["copy_classmate"]["score"] == "0" and rows["read_solutions"]["score"] == "0"
+
+
+@pytest.mark.skipif(not STRONG, reason="this machine gives the kernel no isolation: see isolation.detect()")
+def test_no_process_outlives_its_notebook_and_the_grades_stay_as_written(graded):
+    left = [p.info for p in psutil.process_iter(["pid", "cmdline"]) if TOKEN in " ".join(p.info["cmdline"] or [])]
+    assert not left, f"a detached process outlived the grader: {left}"
+    time.sleep(2)  # it would rewrite every CSV it can reach twice a second
+    assert graded["csv"].read_text() == graded["csv_text"] and "tampered" not in graded["csv_text"]
+
+
+def test_feedback_never_quotes_a_hidden_test(graded):
+    catalog = Catalog(graded["solutions"])
+    secret = set()
+    for ex in catalog.exercises.values():
+        for q in ex.questions:
+            if q.hidden is not None:
+                for section in (q.hidden.inputs, q.hidden.answers, q.hidden.checks):
+                    secret |= {line.strip() for line in section.source.splitlines() if len(line.strip()) >= 10}
+    public = {line.strip() for p in (ROOT / "exercises").glob("*.ipynb")
+              for c in nbformat.read(p, as_version=4).cells for line in c.source.splitlines()}
+    secret -= public
+    files = list((graded["out"] / "feedback").rglob("*.md"))
+    assert len(files) >= len(graded["rows"]) - 1, "one feedback file per graded notebook"
+    assert "max_batch_size(100, 95, 8)" in graded["rows"]["leaks_hidden_tests"]["q1_max_batch_size_test_reason"], \
+        "the instructor's CSV shows what the learner's error said"
+    for path in files:
+        text = path.read_text()
+        found = [line for line in secret if line in text]
+        assert not found, f"{path.relative_to(graded['out'])} quotes hidden tests: {found[:3]}"
