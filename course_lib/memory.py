@@ -215,6 +215,8 @@ def _layer_saves(module: nn.Module, x: torch.Tensor, out: torch.Tensor, amp: tor
         B, T, C = x.shape
         H = module.n_heads
         low = _run_dtype(LOW, x.dtype, amp, device)          # q, k, v come out of a Linear
+        if module.fused:
+            return _fused_attention_saves(B, H, T, C, low, module.dropout > 0 and module.training, device)
         soft = _run_dtype(FP32_ON_CUDA, low, amp, device)    # softmax: fp32 on CUDA under autocast
         saves = [(None, 3 * B * T * C * low.itemsize),          # q, k (q @ k^T) and v (att @ v)
                  (None, T * T),                               # the bool mask masked_fill keeps
@@ -224,6 +226,26 @@ def _layer_saves(module: nn.Module, x: torch.Tensor, out: torch.Tensor, amp: tor
             saves.append((None, B * H * T * T * low.itemsize))
         return saves
     return []
+
+
+def _fused_attention_saves(B: int, H: int, T: int, C: int, dtype: torch.dtype, dropout: bool,
+                           device: str) -> list[tuple[object, int]]:
+    """What ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` saves (chapter 11).
+
+    The fused kernels (the CPU's flash kernel; on CUDA flash for 16-bit inputs, memory-efficient
+    attention for fp32: PyTorch's default order) save q, k, v, the output and an fp32 log-sum-exp
+    per query row (plus a few bytes of RNG state on CUDA). Memory-efficient attention pads the
+    log-sum-exp to a multiple of 32 rows and writes its output as (B, T, H, hd), so the output
+    projection's input is a view of it, saved once. With dropout the CPU has no fused kernel: the
+    math fallback runs in fp32 (it upcasts 16-bit inputs) and saves q, k, v, the softmax, its dropout
+    mask and the dropped-out matrix: three (B, H, T, T) tensors, more than the unfused layer.
+    """
+    if dropout and device == "cpu":
+        f32 = max(dtype.itemsize, 4)
+        return [(None, 3 * B * T * C * f32), (None, 3 * B * H * T * T * f32)]
+    if device == "cuda" and dtype == torch.float32:  # memory-efficient attention
+        return [(None, 3 * B * T * C * 4), (None, B * H * 32 * math.ceil(T / 32) * 4)]
+    return [(None, 4 * B * T * C * dtype.itemsize), (None, B * H * T * 4)]
 
 
 def _loss_saves(logits: torch.Tensor, amp: torch.dtype | None, device: str) -> int:

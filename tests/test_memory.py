@@ -1,4 +1,5 @@
 from contextlib import contextmanager
+from unittest import mock
 
 import pytest
 import torch
@@ -41,6 +42,9 @@ COURSE_MODELS = {
     **{f"resnet_{kind}": (lambda kind=kind: _resnet(kind), "image") for kind in ("bn", "gn", "mabn")},
     "transformer": (lambda: TinyTransformer(max_len=64), "tokens"),
     "transformer_dropout": (lambda: TinyTransformer(max_len=64, dropout=0.1), "tokens"),
+    # chapter 11: fused attention (F.scaled_dot_product_attention); with dropout the CPU falls back to its math path
+    "transformer_fused": (lambda: TinyTransformer(max_len=64, fused=True), "tokens"),
+    "transformer_fused_dropout": (lambda: TinyTransformer(max_len=64, dropout=0.1, fused=True), "tokens"),
 }
 SHAPES = {"image": [(2, 3, 32, 32), (8, 3, 32, 32)], "tokens": [(2, 32), (4, 64)]}  # T < max_len too
 
@@ -53,16 +57,26 @@ def test_every_course_model_is_checked():
         "a new model in models.py: add it to COURSE_MODELS (or, if it is a building block, to blocks)"
 
 
+def _gpu_sdpa(q, k, v, is_causal=False, dropout_p=0.0):
+    """The kernel F.scaled_dot_product_attention runs on a GPU that has both (sm80 and later, PyTorch's default
+    order): flash attention for 16-bit inputs, memory-efficient attention for fp32. Without a GPU, fake tensors
+    cannot ask the device which kernels it supports and fall back to the math path, so the call is made directly."""
+    if q.dtype in (torch.float16, torch.bfloat16):
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal)[0]
+    return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, dropout_p, is_causal)[0]
+
+
 @contextmanager
 def _on(device: str, autocast_dtype: torch.dtype | None):
     """Run on ``device`` under autocast. CUDA without a GPU: torch's FakeTensorMode dispatches as CUDA would
     (autocast's CUDA op lists, CUDA's kernel choices such as dropout's bool mask) on tensors that have a
-    shape, a dtype and no data. torch.autocast("cuda") turns itself off without a GPU, so it is set directly."""
+    shape, a dtype and no data, except the choice of attention kernel (see ``_gpu_sdpa``).
+    torch.autocast("cuda") turns itself off without a GPU, so it is set directly."""
     if device == "cpu" or torch.cuda.is_available():
         with torch.device(device), torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             yield
         return
-    with FakeTensorMode(), torch.device("cuda"):
+    with FakeTensorMode(), torch.device("cuda"), mock.patch.object(F, "scaled_dot_product_attention", _gpu_sdpa):
         if autocast_dtype is None:
             yield
             return
