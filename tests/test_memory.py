@@ -179,3 +179,47 @@ def test_cpu_peak_sees_a_temporary():
 
     peak = memory.cpu_peak_bytes(work)
     assert 4_000_000 <= peak < 8_000_000
+
+
+def test_memory_timeline_shows_the_phases_and_the_peak():
+    from torch.profiler import record_function
+
+    def step():
+        with record_function("forward"):
+            a = torch.ones(1_000_000)       # 4 MB, alive into the backward phase
+        with record_function("backward"):
+            b = torch.ones(2_000_000)       # 8 MB more: the peak is 12 MB, reached here
+            del a, b
+
+    tl = memory.memory_timeline(step)
+    assert set(tl.phases) == {"forward", "backward"}
+    assert tl.phases["forward"][1] <= tl.phases["backward"][0]
+    assert tl.peak_in("forward") == 4_000_000 and tl.peak_in("backward") == tl.peak == 12_000_000
+    assert tl.live_bytes[-1] == 0 and tl.seconds == sorted(tl.seconds)
+    assert memory.cpu_peak_bytes(step) == tl.peak
+    with pytest.raises(KeyError, match="record_function"):
+        tl.peak_in("optimizer")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_attention_saved_bytes_naive_quadratic_fused_linear(device):
+    def core(T, **kw):
+        return memory.attention_saved_bytes(2, T, 64, 4, fused=kw.pop("fused", False), device=device, **kw)
+    # doubling T: the naive core tends to 4x (its T^2 terms), the fused one is exactly 2x
+    assert core(1024) / core(512) > 3.5
+    assert core(512, fused=True) == 2 * core(256, fused=True)
+    assert core(512, fused=True) < core(512) / 5
+    with pytest.raises(ValueError, match="not on 'mps'"):
+        memory.attention_saved_bytes(2, 8, 64, 4, device="mps")
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_attention_saved_bytes_is_what_the_layer_saves(fused):
+    for T in (16, 48, 96):
+        layer = models.CausalSelfAttention(32, 4, max_len=96, fused=fused)
+        x = torch.randn(3, T, 32, requires_grad=True)
+        # the core alone: everything the layer saves minus what its two Linear layers save (their inputs)
+        total = memory.saved_activation_bytes(lambda: layer(x), exclude=layer.parameters())
+        # qkv's input x and proj's input (B, T, C); on the CPU the latter is a copy of the fused kernel's output
+        linears = 2 * 4 * x.numel()
+        assert total - linears == memory.attention_saved_bytes(3, T, 32, 4, fused=fused)
