@@ -13,6 +13,9 @@ Training memory has four parts:
 and the batch shape alone, layer by layer, without running the computation,
 in fp32 or under bf16 autocast (whose saved tensors are partly bf16, partly
 fp32, and not quite the same on the CPU and on CUDA: see the estimator's notes).
+``attention_saved_bytes`` is its formula for an attention layer, naive or fused
+(chapter 11). ``peak_bytes`` measures a peak; ``memory_timeline`` the whole curve
+of allocated bytes over a step, with its phases (chapter 11's pictures).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import math
 import os
 import sys
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -213,17 +217,49 @@ def _layer_saves(module: nn.Module, x: torch.Tensor, out: torch.Tensor, amp: tor
         return [(x, tensor_bytes(x)), (None, out.numel() * 8)]  # input; int64 argmax indices
     if isinstance(module, CausalSelfAttention):
         B, T, C = x.shape
-        H = module.n_heads
         low = _run_dtype(LOW, x.dtype, amp, device)          # q, k, v come out of a Linear
-        soft = _run_dtype(FP32_ON_CUDA, low, amp, device)    # softmax: fp32 on CUDA under autocast
-        saves = [(None, 3 * B * T * C * low.itemsize),          # q, k (q @ k^T) and v (att @ v)
-                 (None, T * T),                               # the bool mask masked_fill keeps
-                 (None, B * H * T * T * soft.itemsize)]         # the softmax output
-        if isinstance(module.attn_drop, nn.Dropout) or soft != low:
-            # att @ v saves its own copy of the attention matrix: the dropped-out one, or autocast's bf16 copy
-            saves.append((None, B * H * T * T * low.itemsize))
-        return saves
+        dropout = module.dropout > 0 and module.training
+        return [(None, attention_saved_bytes(B, T, C, module.n_heads, low, fused=module.fused, dropout=dropout,
+                                             autocast=amp is not None, device=device))]
     return []
+
+
+def attention_saved_bytes(batch: int, seq: int, d_model: int, n_heads: int, dtype: torch.dtype = torch.float32,
+                          *, fused: bool = False, dropout: bool = False, autocast: bool = False,
+                          device: str = "cpu") -> int:
+    """Bytes the core of one causal self-attention layer saves for backward (chapters 01, 11).
+
+    The core is everything between the ``qkv`` and ``proj`` Linear layers; ``dtype``
+    is the dtype q, k and v come in (bf16 under bf16 autocast). The naive layer
+    saves q, k, v, the causal mask and the ``(B, H, T, T)`` softmax (on CUDA under
+    autocast in fp32, and then a bf16 copy for ``att @ v``), with dropout its mask
+    and the dropped-out matrix: quadratic in ``T``. The fused kernel
+    (``F.scaled_dot_product_attention``) saves q, k, v, its output and one fp32
+    log-sum-exp per row: linear in ``T``. Which kernel runs, and what it saves:
+
+    - the CPU: its flash kernel; with dropout it has none and falls back to the math
+      path, in fp32 (16-bit inputs are upcast): q, k, v and three (B, H, T, T) tensors;
+    - CUDA (PyTorch's default order): flash attention for 16-bit inputs (sm80 or later),
+      memory-efficient attention for fp32, which pads the log-sum-exp to a multiple of
+      32 rows and writes its output as (B, T, H, hd), so that ``proj`` saves a view of
+      it, counted there. Both keep a few bytes of RNG state, left out.
+    """
+    device = _device_type(device)
+    B, T, C, H, size = batch, seq, d_model, n_heads, dtype.itemsize
+    if fused and dropout and device == "cpu":
+        f32 = max(size, 4)
+        return 3 * B * T * C * f32 + 3 * B * H * T * T * f32
+    if fused and device == "cuda" and dtype == torch.float32:  # memory-efficient attention
+        return 3 * B * T * C * 4 + B * H * 32 * math.ceil(T / 32) * 4
+    if fused:
+        return 4 * B * T * C * size + B * H * T * 4
+    soft = 4 if autocast and device == "cuda" else size         # softmax: fp32 on CUDA under autocast
+    saved = 3 * B * T * C * size + T * T + B * H * T * T * soft  # q, k, v; the bool mask; the softmax output
+    if dropout:  # its keep-mask (CUDA's fused dropout: bool; the CPU: the input's dtype), the dropped-out matrix
+        saved += B * H * T * T * ((1 if device == "cuda" else soft) + size)
+    elif soft != size:  # att @ v saves autocast's bf16 copy of the fp32 softmax
+        saved += B * H * T * T * size
+    return saved
 
 
 def _loss_saves(logits: torch.Tensor, amp: torch.dtype | None, device: str) -> int:
@@ -269,7 +305,8 @@ def estimate_activation_bytes(model: nn.Module, batch_shape: tuple[int, ...],
             saved[id(key)] = nbytes
         return out
 
-    handles = [m.register_forward_hook(hook) for m in meta.modules() if _leaf_like(m)]
+    inside = {id(m.attn_drop) for m in meta.modules() if isinstance(m, CausalSelfAttention)}  # counted with it
+    handles = [m.register_forward_hook(hook) for m in meta.modules() if _leaf_like(m) and id(m) not in inside]
     try:
         with torch.enable_grad():  # which inputs need a gradient decides what a Linear keeps
             logits = meta(x)
@@ -360,35 +397,72 @@ def _quiet_native_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-def cpu_peak_bytes(fn: Callable[[], object]) -> int:
-    """Peak CPU memory allocated by PyTorch while ``fn()`` runs, above the start.
+@dataclass
+class MemoryTimeline:
+    """Bytes allocated over time while a function ran, from the profiler's records (chapter 11)."""
 
-    Replays the profiler's allocation records (every allocation and free of
-    the CPU allocator, in time order), so it sees temporaries that live only
-    inside an op. Frees of tensors made before ``fn`` are not recorded.
+    seconds: list[float]                      # since the first record
+    live_bytes: list[int]                     # allocated above the start, after each allocation or free
+    phases: dict[str, tuple[float, float]]    # a ``record_function`` label -> (start, end) in seconds
+
+    @property
+    def peak(self) -> int:
+        return max([0, *self.live_bytes])
+
+    def peak_in(self, phase: str) -> int:
+        """The peak while the ``phase`` range was open."""
+        if phase not in self.phases:
+            raise KeyError(f"no phase {phase!r} was recorded; the function marked {sorted(self.phases)} "
+                           "(wrap a part in torch.profiler.record_function(name))")
+        start, end = self.phases[phase]
+        return max([0, *(b for t, b in zip(self.seconds, self.live_bytes) if start <= t <= end)])
+
+
+def memory_timeline(fn: Callable[[], object], device: torch.device | str = "cpu",
+                    phases: Iterable[str] = ("forward", "backward")) -> MemoryTimeline:
+    """Every allocation and free of ``device``'s allocator while ``fn()`` runs, in time order.
+
+    Replays the profiler's allocation records, so it sees temporaries that live
+    only inside an op. Frees of tensors made before ``fn`` are recorded without
+    their allocation and can take the curve below zero. The parts of ``fn``
+    wrapped in ``torch.profiler.record_function(name)`` for a name in ``phases``
+    come back as time ranges. The profiler slows the step down: the time axis
+    orders events, it does not time them.
     """
     from torch.profiler import ProfilerActivity, profile
 
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    kind = _device_type(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if kind == "cuda" else [])
+    prof = profile(activities=activities, profile_memory=True)
     with _quiet_native_stderr():
         prof.start()
     try:
         fn()
+        if kind == "cuda":
+            torch.cuda.synchronize(device)
     finally:
         with _quiet_native_stderr():
             prof.stop()
+    wanted = {torch.autograd.DeviceType.CPU if kind == "cpu" else torch.autograd.DeviceType.CUDA}
+    events = list(prof.profiler.kineto_results.events())
     # The raw records, not ``prof.events()``: there an allocation made inside
     # an op is folded into that op's totals and its moment is lost.
-    allocations = sorted(
-        ((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-         if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU),
-        key=lambda x: x[0],
-    )
-    live = peak = 0
-    for _, nbytes in allocations:
+    records = sorted(((e.start_ns(), e.nbytes()) for e in events
+                      if e.name() == "[memory]" and e.device_type() in wanted),
+                     key=lambda r: r[0])  # stable: records at the same nanosecond keep their order
+    spans = {e.name(): (e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() in set(phases)}
+    t0 = min([t for t, _ in records] + [a for a, _ in spans.values()], default=0)
+    live, curve = 0, []
+    for _, nbytes in records:
         live += nbytes
-        peak = max(peak, live)
-    return peak
+        curve.append(live)
+    return MemoryTimeline([(t - t0) / 1e9 for t, _ in records], curve,
+                          {name: ((a - t0) / 1e9, (b - t0) / 1e9) for name, (a, b) in spans.items()})
+
+
+def cpu_peak_bytes(fn: Callable[[], object]) -> int:
+    """Peak CPU memory allocated by PyTorch while ``fn()`` runs, above the start (see ``memory_timeline``)."""
+    return memory_timeline(fn, "cpu", phases=()).peak
 
 
 def peak_bytes(fn: Callable[[], object], device: torch.device | str) -> int:

@@ -1,4 +1,4 @@
-"""Small models (chapters 01-09).
+"""Small models (chapters 01-11).
 
 - ``ResNet``: a CIFAR-style residual network whose normalisation layer is an
   argument (``norm_layer(channels) -> nn.Module``), so chapter 04 can swap
@@ -104,17 +104,26 @@ class MLP(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention, written out op by op so every saved tensor is visible."""
+    """Multi-head causal self-attention, written out op by op so every saved tensor is visible.
 
-    def __init__(self, d_model: int, n_heads: int, max_len: int, dropout: float = 0.0):
+    ``fused=True`` computes the same function with one call of
+    ``F.scaled_dot_product_attention`` (chapter 11): a fused kernel that never
+    stores the ``(B, H, T, T)`` attention matrix; the backward pass recomputes it
+    block by block from ``q``, ``k``, ``v`` and one log-sum-exp per row.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, max_len: int, dropout: float = 0.0, fused: bool = False):
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
         self.n_heads = n_heads
+        self.fused = fused
+        self.dropout = dropout
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
         # p = 0 would still save a mask in training; leave the op out instead.
         self.attn_drop: nn.Module = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        # kept with fused=True too (its kernel masks inside, is_causal=True): code that cuts the layer up reads it
         self.register_buffer("mask", torch.ones(max_len, max_len).tril().bool(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -123,19 +132,24 @@ class CausalSelfAttention(nn.Module):
         # (B, T, 3C) -> three (B, H, T, hd); contiguous so matmul saves these, not hidden copies
         q, k, v = (t.view(B, T, self.n_heads, hd).transpose(1, 2).contiguous()
                    for t in self.qkv(x).split(C, dim=2))
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))      # (B, H, T, T): the O(T^2) memory
-        att = att.masked_fill(~self.mask[:T, :T], float("-inf")).softmax(dim=-1)
-        y = self.attn_drop(att) @ v                                  # (B, H, T, hd)
+        if self.fused:
+            # saves q, k, v, the output and a (B, H, T) log-sum-exp: linear in T
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0.0)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))      # (B, H, T, T): the O(T^2) memory
+            att = att.masked_fill(~self.mask[:T, :T], float("-inf")).softmax(dim=-1)
+            y = self.attn_drop(att) @ v                                  # (B, H, T, hd)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
-    def __init__(self, d_model: int, n_heads: int, max_len: int, dropout: float = 0.0):
+    def __init__(self, d_model: int, n_heads: int, max_len: int, dropout: float = 0.0, fused: bool = False):
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, n_heads, max_len, dropout)
+        self.attn = CausalSelfAttention(d_model, n_heads, max_len, dropout, fused)
         self.ln2 = nn.LayerNorm(d_model)
         self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
 
@@ -178,13 +192,15 @@ class TinyTransformer(nn.Module):
 
     ``as_sequential()`` returns the same modules as one flat ``nn.Sequential``,
     the form checkpointing and pipeline parallelism cut into pieces.
+    ``fused=True`` gives every block's attention the fused kernel (chapter 11).
     """
 
     def __init__(self, vocab: int = 64, d_model: int = 64, n_heads: int = 4, n_layers: int = 2,
-                 max_len: int = 64, dropout: float = 0.0):
+                 max_len: int = 64, dropout: float = 0.0, fused: bool = False):
         super().__init__()
         self.embed = Embedding(vocab, d_model, max_len)
-        self.blocks = nn.Sequential(*[TransformerBlock(d_model, n_heads, max_len, dropout) for _ in range(n_layers)])
+        self.blocks = nn.Sequential(*[TransformerBlock(d_model, n_heads, max_len, dropout, fused)
+                                      for _ in range(n_layers)])
         self.head = Head(d_model, vocab)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

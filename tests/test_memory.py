@@ -1,4 +1,5 @@
 from contextlib import contextmanager
+from unittest import mock
 
 import pytest
 import torch
@@ -41,6 +42,9 @@ COURSE_MODELS = {
     **{f"resnet_{kind}": (lambda kind=kind: _resnet(kind), "image") for kind in ("bn", "gn", "mabn")},
     "transformer": (lambda: TinyTransformer(max_len=64), "tokens"),
     "transformer_dropout": (lambda: TinyTransformer(max_len=64, dropout=0.1), "tokens"),
+    # chapter 11: fused attention (F.scaled_dot_product_attention); with dropout the CPU falls back to its math path
+    "transformer_fused": (lambda: TinyTransformer(max_len=64, fused=True), "tokens"),
+    "transformer_fused_dropout": (lambda: TinyTransformer(max_len=64, dropout=0.1, fused=True), "tokens"),
 }
 SHAPES = {"image": [(2, 3, 32, 32), (8, 3, 32, 32)], "tokens": [(2, 32), (4, 64)]}  # T < max_len too
 
@@ -53,16 +57,26 @@ def test_every_course_model_is_checked():
         "a new model in models.py: add it to COURSE_MODELS (or, if it is a building block, to blocks)"
 
 
+def _gpu_sdpa(q, k, v, is_causal=False, dropout_p=0.0):
+    """The kernel F.scaled_dot_product_attention runs on a GPU that has both (sm80 and later, PyTorch's default
+    order): flash attention for 16-bit inputs, memory-efficient attention for fp32. Without a GPU, fake tensors
+    cannot ask the device which kernels it supports and fall back to the math path, so the call is made directly."""
+    if q.dtype in (torch.float16, torch.bfloat16):
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal)[0]
+    return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, dropout_p, is_causal)[0]
+
+
 @contextmanager
 def _on(device: str, autocast_dtype: torch.dtype | None):
     """Run on ``device`` under autocast. CUDA without a GPU: torch's FakeTensorMode dispatches as CUDA would
     (autocast's CUDA op lists, CUDA's kernel choices such as dropout's bool mask) on tensors that have a
-    shape, a dtype and no data. torch.autocast("cuda") turns itself off without a GPU, so it is set directly."""
+    shape, a dtype and no data, except the choice of attention kernel (see ``_gpu_sdpa``).
+    torch.autocast("cuda") turns itself off without a GPU, so it is set directly."""
     if device == "cpu" or torch.cuda.is_available():
         with torch.device(device), torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             yield
         return
-    with FakeTensorMode(), torch.device("cuda"):
+    with FakeTensorMode(), torch.device("cuda"), mock.patch.object(F, "scaled_dot_product_attention", _gpu_sdpa):
         if autocast_dtype is None:
             yield
             return
@@ -165,3 +179,47 @@ def test_cpu_peak_sees_a_temporary():
 
     peak = memory.cpu_peak_bytes(work)
     assert 4_000_000 <= peak < 8_000_000
+
+
+def test_memory_timeline_shows_the_phases_and_the_peak():
+    from torch.profiler import record_function
+
+    def step():
+        with record_function("forward"):
+            a = torch.ones(1_000_000)       # 4 MB, alive into the backward phase
+        with record_function("backward"):
+            b = torch.ones(2_000_000)       # 8 MB more: the peak is 12 MB, reached here
+            del a, b
+
+    tl = memory.memory_timeline(step)
+    assert set(tl.phases) == {"forward", "backward"}
+    assert tl.phases["forward"][1] <= tl.phases["backward"][0]
+    assert tl.peak_in("forward") == 4_000_000 and tl.peak_in("backward") == tl.peak == 12_000_000
+    assert tl.live_bytes[-1] == 0 and tl.seconds == sorted(tl.seconds)
+    assert memory.cpu_peak_bytes(step) == tl.peak
+    with pytest.raises(KeyError, match="record_function"):
+        tl.peak_in("optimizer")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_attention_saved_bytes_naive_quadratic_fused_linear(device):
+    def core(T, **kw):
+        return memory.attention_saved_bytes(2, T, 64, 4, fused=kw.pop("fused", False), device=device, **kw)
+    # doubling T: the naive core tends to 4x (its T^2 terms), the fused one is exactly 2x
+    assert core(1024) / core(512) > 3.5
+    assert core(512, fused=True) == 2 * core(256, fused=True)
+    assert core(512, fused=True) < core(512) / 5
+    with pytest.raises(ValueError, match="not on 'mps'"):
+        memory.attention_saved_bytes(2, 8, 64, 4, device="mps")
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_attention_saved_bytes_is_what_the_layer_saves(fused):
+    for T in (16, 48, 96):
+        layer = models.CausalSelfAttention(32, 4, max_len=96, fused=fused)
+        x = torch.randn(3, T, 32, requires_grad=True)
+        # the core alone: everything the layer saves minus what its two Linear layers save (their inputs)
+        total = memory.saved_activation_bytes(lambda: layer(x), exclude=layer.parameters())
+        # qkv's input x and proj's input (B, T, C); on the CPU the latter is a copy of the fused kernel's output
+        linears = 2 * 4 * x.numel()
+        assert total - linears == memory.attention_saved_bytes(3, T, 32, 4, fused=fused)

@@ -1,0 +1,140 @@
+"""Chapter 11's FSDP2 run with and without ``CPUOffloadPolicy``: per-rank memory and step time.
+
+    torchrun --nproc-per-node 2 -m course_lib.workers.fsdp_offload --cfg '{"d_model": 1024, ...}'
+
+FSDP2 (chapter 08) shards the parameters, gradients and Adam state over the
+ranks. ``fully_shard(..., offload_policy=CPUOffloadPolicy())`` keeps each rank's
+shards in (pinned) host memory instead: the forward and backward passes copy one
+block's parameter shard to the GPU before gathering it, the reduce-scattered
+gradient shards go back to the host, and the optimizer step runs on the CPU. The
+GPU then holds the activations and the blocks being computed, not the model
+states; the step pays the copies and a CPU optimizer step.
+
+Reported per mode (``none``, ``cpu``): the mean loss per step, every rank's
+state bytes on the device and on the host, its CUDA peak (``max_memory_allocated``)
+and the median step time, timed with CUDA events around the whole step (the CPU
+optimizer step included). Pinned memory needs CUDA: with ``--pin-memory 0`` the
+same code runs on CPU ranks (gloo), which checks that offload changes no loss;
+there the device is the host, and no memory or time it reports means anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from course_lib.distributed import launch
+from course_lib.models import lm_loss
+from course_lib.workers.zero_common import RunConfig, build_model, gather_per_rank, local_batch, mean_over_ranks
+
+MODES = ("none", "cpu")
+
+
+def shard(model: nn.Module, offload: bool, pin_memory: bool) -> nn.Module:
+    """FSDP2 on the embedding, every block, the head, then the root; shards on the host when ``offload``."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    policy = CPUOffloadPolicy(pin_memory=pin_memory) if offload else OffloadPolicy()
+    for part in [model.embed, *model.blocks, model.head]:
+        fully_shard(part, offload_policy=policy)
+    fully_shard(model, offload_policy=policy)
+    return model
+
+
+def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
+    """This rank's bytes of parameter shards, gradient shards and optimizer state, by device type."""
+    out = {"cpu": 0, "cuda": 0}
+
+    def add(t: torch.Tensor) -> None:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        out[local.device.type] = out.get(local.device.type, 0) + local.numel() * local.element_size()
+
+    for p in model.parameters():
+        add(p)
+        if p.grad is not None:
+            add(p.grad)
+    for state in opt.state.values():
+        for v in state.values():
+            if torch.is_tensor(v):
+                add(v)
+    return out
+
+
+class StepTimer:
+    """Seconds of one step: CUDA events on a GPU (the host's work in between included), a clock on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __enter__(self) -> "StepTimer":
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.cuda:
+            self.end.record()
+            self.end.synchronize()
+            self.seconds = self.start.elapsed_time(self.end) / 1e3
+        else:
+            self.seconds = time.perf_counter() - self.t0
+
+
+def run_mode(mode: str, cfg: RunConfig, rank: int, world: int, device: torch.device, pin_memory: bool) -> dict:
+    """Train ``cfg.steps`` Adam steps with FSDP2, offloaded to the host or not."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    model = shard(build_model(cfg, device), offload=mode == "cpu", pin_memory=pin_memory)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)  # on the host's shards when offloaded
+    losses, times = [], []
+    for s in range(cfg.steps):
+        x, y = local_batch(cfg, s, rank, world, device)
+        dist.barrier()
+        with StepTimer(device) as timer:
+            opt.zero_grad()
+            loss = lm_loss(model(x), y)
+            loss.backward()
+            opt.step()
+        times.append(timer.seconds)
+        losses.append(mean_over_ranks(loss.item(), device))
+    held = state_bytes(model, opt)
+    out = {"losses": losses, "device_state_bytes": gather_per_rank(held["cuda"]),
+           "host_state_bytes": gather_per_rank(held["cpu"]),
+           "step_s": statistics.median(times[1:] if len(times) > 1 else times)}
+    out["cuda_peak_bytes"] = gather_per_rank(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cfg", default=RunConfig().to_json(), help="RunConfig as JSON")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated from {MODES}")
+    parser.add_argument("--pin-memory", type=int, default=1, help="1: pinned host buffers (CUDA only)")
+    args = parser.parse_args()
+    cfg = RunConfig.from_json(args.cfg)
+    rank, world, device = launch.init_distributed()
+    try:
+        pin = bool(args.pin_memory)
+        if pin and device.type != "cuda":
+            raise RuntimeError("CPUOffloadPolicy(pin_memory=True) needs CUDA ranks; these run on the CPU "
+                               "(pass --pin-memory 0 to check the losses there)")
+        modes = {m: run_mode(m, cfg, rank, world, device, pin) for m in args.modes.split(",")}
+        launch.report({"world": world, "device": device.type, "num_params": sum(
+            p.numel() for p in build_model(cfg).parameters()), "modes": modes})
+    finally:
+        launch.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Chapter 11's claims, measured by the notebook at the test profile.
+
+Memory is measured (saved-tensor hooks, the allocator's records) and costs are
+counted (FLOPs, kernel calls, bytes copied); no step time is asserted. The
+CPU profiles check what a CPU can show: there offloading copies into NumPy
+memory the allocator does not count, and FSDP2's CPUOffloadPolicy is not run.
+"""
+
+import math
+
+from conftest import notebook_claims
+
+
+def test_fused_attention_claims(profile):
+    c = notebook_claims("11")
+    # by hand: the online softmax gives the same output with T x block temporaries instead of T x T
+    assert c["ch11/online_softmax_max_abs_diff"] < 1e-5
+    assert c["ch11/online_forward_peak_ratio"] < 0.5
+    # the naive path's saved bytes have a T^2 term, the fused path's none: doubling T doubles them
+    assert c["ch11/naive_quadratic_share"] > 0.3
+    assert abs(c["ch11/fused_quadratic_share"]) < 0.01
+    assert abs(c["ch11/fused_saved_doubling_ratio"] - 2) < 0.01
+    assert c["ch11/fused_saved_ratio_longest"] < 0.6
+    assert c["ch11/estimator_max_rel_error"] <= 0.05
+    assert c["ch11/fused_loss_abs_diff"] < 1e-5
+    assert c["ch11/fused_grad_max_abs_diff"] < 1e-6
+    if profile == "cpu":  # longer sequences: the quadratic term takes over
+        assert c["ch11/naive_quadratic_share"] > 0.6
+        assert c["ch11/fused_saved_ratio_longest"] < 0.45
+
+
+def test_selective_checkpointing_should_keep_the_fused_op():
+    c = notebook_claims("11")
+    assert c["ch11/sac_fused_calls_linear_only"] == 2  # forward, and again in the recomputation
+    assert c["ch11/sac_fused_calls_keep_attention"] == 1
+    assert 0 < c["ch11/sac_keep_attention_extra_kept_fraction"] < 0.15
+
+
+def test_offload_claims(profile):
+    c = notebook_claims("11")
+    assert c["ch11/offload_hand_peak_ratio"] < 0.5
+    assert c["ch11/offload_hand_copied_over_saved"] >= 1  # a tensor saved by two ops is copied twice
+    assert c["ch11/offload_hand_grad_max_abs_diff"] < 1e-6
+    assert c["ch11/save_on_cpu_grad_max_abs_diff"] < 1e-6
+    if profile == "gpu":
+        assert c["ch11/save_on_cpu_peak_ratio"] < 0.7 and c["ch11/save_on_cpu_copied_bytes"] > 0
+    else:  # on a CPU machine save_on_cpu copies nothing and changes no peak
+        assert c["ch11/save_on_cpu_copied_bytes"] == 0
+        assert 0.98 <= c["ch11/save_on_cpu_peak_ratio"] <= 1.02
+    # min_bytes: keeping the small tensors saves copies, not bytes
+    assert c["ch11/offload_sweep_monotone"] is True
+    assert c["ch11/offload_sweep_largest_share"] > 0.9
+    assert c["ch11/offload_sweep_largest_copies_share"] < 0.9
+    # per block: the prediction is at most 5% low; the peak never falls below the floor
+    assert 0.5 <= c["ch11/offload_blocks_peak_over_prediction"] <= 1.05
+    assert c["ch11/offload_blocks_peak_over_floor"] >= 1
+    assert c["ch11/offload_traffic_matches"] is True
+
+
+def test_chunked_loss_claims(profile):
+    c = notebook_claims("11")
+    assert 2.95 <= c["ch11/loss_plain_peak_in_NV"] <= 3.05  # logits, log-softmax, its gradient
+    assert c["ch11/loss_chunked_peak_ratio"] < 0.3
+    assert c["ch11/loss_chunked_by_hand_peak_ratio"] <= 1.01 * c["ch11/loss_chunked_peak_ratio"]
+    assert c["ch11/loss_prediction_max_rel_error"] < 0.05
+    assert c["ch11/loss_chunked_max_abs_diff"] < 1e-5
+    assert c["ch11/loss_chunked_grad_max_abs_diff"] < 1e-6
+    assert math.isclose(c["ch11/loss_chunked_extra_flops"], 1 / 3, abs_tol=0.01)
+    if profile == "cpu":  # more chunks: the by-hand version, which adds its weight gradient in place, goes lower
+        assert c["ch11/loss_chunked_by_hand_peak_ratio"] < 0.15
+
+
+def test_compile_budget_claims(profile):
+    c = notebook_claims("11")
+    assert c["ch11/compile_saved_monotone_in_budget"] is True
+    assert c["ch11/compile_extra_flops_monotone_in_budget"] is True
+    assert c["ch11/compile_saved_fraction_budget_0"] < 0.05
+    assert 0.2 < c["ch11/compile_saved_fraction_budget_half"] < 0.7
+    assert abs(c["ch11/compile_saved_fraction_budget_1"] - 1) < 0.02
+    assert c["ch11/compile_extra_flops_budget_0"] > 0.1
+    assert abs(c["ch11/compile_extra_flops_budget_1"]) < 1e-9
+    if profile == "cpu":  # inductor's partition is the one measured
+        assert c["ch11/compile_inductor_saved_over_partitioner"] == 1
+
+
+def test_timeline_claims():
+    c = notebook_claims("11")
+    assert c["ch11/timeline_peak_at_end_of_forward_naive"] is True
+    assert c["ch11/timeline_peak_ratio_fused"] < 0.9
+    assert c["ch11/timeline_peak_ratio_offloaded"] < 0.5
+
+
+def test_fsdp_offload_only_where_it_runs(profile):
+    c = notebook_claims("11")
+    if profile != "gpu":
+        assert "ch11/fsdp_offload_peak_ratio" not in c  # no number where it cannot be measured
+        return
+    assert c["ch11/fsdp_offload_device_state_bytes"] == 0
+    assert c["ch11/fsdp_offload_peak_ratio"] < 1
+    assert c["ch11/fsdp_offload_loss_max_abs_diff"] < 1e-3
+    assert c["ch11/fsdp_offload_step_time_ratio"] > 0
+
+
+def test_experiment_claims():
+    c = notebook_claims("11")
+    names = ("naive", "fused", "fused_chunked_loss", "fused_chunked_offload")
+    longest = [c[f"ch11/exp_longest_seq_{n}"] for n in names]
+    assert longest == sorted(longest) and longest[-1] > longest[0]
+    ratios = [c[f"ch11/exp_peak_ratio_{n}"] for n in names[1:]]
+    assert 1 > ratios[0] > ratios[1] > ratios[2]
