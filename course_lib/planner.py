@@ -1,4 +1,4 @@
-"""Plan a training configuration for a memory budget (chapter 09, the capstone): measure, predict, search.
+"""Plan a training configuration for a memory budget (chapter 12, the capstone): measure, predict, search.
 
 For every combination of precision (chapter 05), micro-batch with gradient accumulation (chapters 02-03),
 activation checkpointing (chapter 05) and ZeRO stage (chapter 08), predict the peak bytes per device and the
@@ -44,7 +44,7 @@ FORWARD_SHARE = 1 / 3
 # One PCIe 4.0 x16 link moves about 25 GB/s in practice (nominal 32 GB/s); pass your interconnect's measured
 # all-reduce bandwidth instead (chapter 06).
 DEFAULT_BANDWIDTH = 25e9
-# The prediction's error measured in chapter 09 is a few percent either way, and allocators fragment.
+# The prediction's error measured in chapter 12 is a few percent either way, and allocators fragment.
 DEFAULT_HEADROOM = 0.05
 TIMING_MAX_MICRO = 64  # larger timed passes would slow planning and add little
 

@@ -1,4 +1,4 @@
-"""Chapter 09's claims (the capstone), measured by the notebook at the test profile."""
+"""Chapter 12's claims (the capstone), measured by the notebook at the test profile."""
 
 from __future__ import annotations
 
@@ -12,62 +12,62 @@ pytestmark = pytest.mark.notebook
 
 @pytest.fixture(scope="module")
 def c() -> dict:
-    return notebook_claims("09")
+    return notebook_claims("12")
 
 
 def test_a_line_through_tiny_micro_batches_fails(c: dict, profile: str) -> None:
-    assert c["ch09/naive_over_measured"] < 0.7  # the line through m = 1, 2 misses most of the peak at the batch
+    assert c["ch12/naive_over_measured"] < 0.7  # the line through m = 1, 2 misses most of the peak at the batch
     if profile in ("smoke", "cpu"):  # the text says so at these sizes: the optimizer step is the flat part
-        assert c["ch09/optimizer_moment_higher_at_1"] is True
-    lo, hi = c["ch09/first_moments_over_single"]
+        assert c["ch12/optimizer_moment_higher_at_1"] is True
+    lo, hi = c["ch12/first_moments_over_single"]
     assert 0.98 <= lo <= hi <= 1.02  # one micro-batch: max(first forward/backward, optimizer step) is its peak
-    lo, hi = c["ch09/moments_over_accumulated"]
+    lo, hi = c["ch12/moments_over_accumulated"]
     assert 0.98 <= lo <= hi <= 1.02  # max(forward/backward, optimizer step) is the peak under accumulation
-    lo, hi = c["ch09/moments_minus_single_over_grads"]
+    lo, hi = c["ch12/moments_minus_single_over_grads"]
     assert -0.02 <= lo <= hi <= 1.02  # without accumulation: overstated by at most the gradients, never under
 
 
 def test_planner_predictions_hold(c: dict, profile: str) -> None:
     if profile == "smoke":
-        assert c["ch09/plan_seconds"] < 20  # a few seconds on two idle cores
-    assert c["ch09/candidates_checked"] >= 3
-    lo, hi = c["ch09/accumulating_measured_over_predicted"]
+        assert c["ch12/plan_seconds"] < 20  # a few seconds on two idle cores
+    assert c["ch12/candidates_checked"] >= 3
+    lo, hi = c["ch12/accumulating_measured_over_predicted"]
     assert 0.95 <= lo <= hi <= 1.03
-    if c["ch09/single_measured_over_predicted"] is not None:
-        lo, hi = c["ch09/single_measured_over_predicted"]
+    if c["ch12/single_measured_over_predicted"] is not None:
+        lo, hi = c["ch12/single_measured_over_predicted"]
         assert 0.75 <= lo <= hi <= 1.03
 
 
 def test_impossible_budget_is_a_clear_error(c: dict) -> None:
-    msg = c["ch09/impossible_budget_error"]
+    msg = c["ch12/impossible_budget_error"]
     assert msg.startswith("nothing fits") and "smallest configuration" in msg
     needed = float(re.search(r"\) needs (\d+\.\d+) MiB", msg).group(1))
-    assert needed > 0.95 * c["ch09/impossible_budget_mib"]  # more than the usable part of the budget
+    assert needed > 0.95 * c["ch12/impossible_budget_mib"]  # more than the usable part of the budget
     assert "Use a budget of at least" in msg
 
 
 def test_largest_model_fits_fills_and_matches(c: dict) -> None:
-    assert c["ch09/largest_model_index"] >= 1  # the budget admits more than the smallest ladder model
-    assert c["ch09/next_model_fits"] is False  # and the next one up really does not fit
-    over = c["ch09/measured_peak_over_budget"]
+    assert c["ch12/largest_model_index"] >= 1  # the budget admits more than the smallest ladder model
+    assert c["ch12/next_model_fits"] is False  # and the next one up really does not fit
+    over = c["ch12/measured_peak_over_budget"]
     # fits, and not far below: micro-batches come in divisors of the batch (at most 2x apart) and the
     # ladder in steps, so 0.7 of the budget is what the grid can promise
     assert 0.7 <= over <= 1.0
-    assert 0.85 <= c["ch09/measured_over_predicted"] <= 1.03
+    assert 0.85 <= c["ch12/measured_over_predicted"] <= 1.03
 
 
 def test_the_planned_model_learns(c: dict) -> None:
-    first, last = c["ch09/loss_first_last"]
-    assert c["ch09/loss_decreased"] is True and last < 0.9 * first
+    first, last = c["ch12/loss_first_last"]
+    assert c["ch12/loss_decreased"] is True and last < 0.9 * first
 
 
 def test_zero_makes_room_and_matches_real_ranks(c: dict, profile: str) -> None:
     # a device with 80% of the model states: nothing fits on one, ZeRO (stage >= 1) fits it over 4 ranks
-    assert c["ch09/small_device_one_rank_fits"] is False
-    assert c["ch09/small_device_world4_stage"] >= 1
-    assert c["ch09/small_device_world4_peak_over_budget"] <= 0.95
-    assert c["ch09/held_over_predicted_worst"] < 0.01  # states held per rank on 2 gloo ranks vs the formulas
-    peaks = c["ch09/ranks_peak_measured_over_predicted"]  # [min, max] over the ranks of measured / predicted peak
+    assert c["ch12/small_device_one_rank_fits"] is False
+    assert c["ch12/small_device_world4_stage"] >= 1
+    assert c["ch12/small_device_world4_peak_over_budget"] <= 0.95
+    assert c["ch12/held_over_predicted_worst"] < 0.01  # states held per rank on 2 gloo ranks vs the formulas
+    peaks = c["ch12/ranks_peak_measured_over_predicted"]  # [min, max] over the ranks of measured / predicted peak
     if peaks is None:  # the plan was measured on a GPU, the two ranks ran on the CPU
         assert profile == "gpu"
         return
