@@ -75,3 +75,26 @@ def test_zero_makes_room_and_matches_real_ranks(c: dict, profile: str) -> None:
         assert 0.98 <= peaks[stage][0] <= peaks[stage][1] <= 1.02, (stage, peaks[stage])
     assert 0.93 <= peaks["stage2"][0] <= peaks["stage2"][1] <= 1.0, peaks["stage2"]  # the safe side, a few percent
     assert 0.9 <= peaks["stage3"][0] <= peaks["stage3"][1] <= 1.05, peaks["stage3"]
+
+
+def test_tensor_parallelism_fits_fewer_sequences_than_ranks(c: dict) -> None:
+    alone = c["ch12/tp_data_parallel_alone"]
+    assert "does not split evenly over 4 ranks" in alone["4 ranks"]  # 2 sequences, 4 data-parallel ranks
+    assert alone["2 ranks"].startswith("nothing fits")  # the 2 ranks it could use: over the budget
+    needed = float(re.search(r"\) needs (\d+\.\d+) MiB", alone["2 ranks"]).group(1))
+    usable = float(re.search(r"MiB per device \((\d+\.\d+) usable\)", alone["2 ranks"]).group(1))
+    assert needed > usable
+    plan = c["ch12/tp_plan"]
+    assert plan["tp"] > 1 and plan["dp"] * plan["tp"] == 4 and plan["sequence_parallel"] is True
+    assert plan["zero_stage"] == (3 if plan["dp"] > 1 else 0)  # FSDP2 over the data-parallel ranks
+    assert c["ch12/tp_plan_peak_over_budget"] <= 0.95
+
+
+def test_tensor_parallel_plan_matches_real_ranks(c: dict) -> None:
+    r = c["ch12/tp_measured_over_predicted"]
+    for part in ("params", "grads"):  # byte counts, exact but for the rounding of a shard to whole bytes
+        assert all(abs(v - 1) < 1e-5 for v in r[part]), (part, r[part])
+    assert all(abs(v - 1) < 1e-9 for v in r["saved activations"]), r["saved activations"]
+    lo, hi = r["optimizer"]
+    assert 1.0 <= lo <= hi < 1.001  # and Adam's step counters, one 4-byte tensor per parameter tensor
+    assert c["ch12/tp_loss_diff"] < 1e-5  # the mesh trains what one process trains
