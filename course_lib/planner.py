@@ -78,7 +78,8 @@ class Config:
         text = (f"{self.precision}, micro-batch {self.micro_batch} x {self.accumulation_steps} accumulation "
                 f"steps, {ckpt}, ZeRO stage {self.zero_stage}")
         if self.tp > 1:
-            text += f", tensor parallel over {self.tp}" + (" with sequence parallelism" if self.sequence_parallel else "")
+            text += f", tensor parallel over {self.tp}"
+            text += " with sequence parallelism" if self.sequence_parallel else ""
         return text
 
 
