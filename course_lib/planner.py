@@ -324,9 +324,9 @@ def calibrate(model: nn.Module, make_batch: BatchFn, loss_fn: LossFn, device: to
 # ----- 2. predict: arithmetic on the measurements -------------------------------------------
 
 
-def layout(meas: Measurements, config: Config, world_size: int) -> tuple[int, float, float]:
-    """(data-parallel ranks, share of the model states and share of one block's parameters a rank keeps under
-    tensor parallelism): TP keeps ``1/t`` of the split weights and all of the others (chapter 10)."""
+def tp_shares(meas: Measurements, config: Config, world_size: int) -> tuple[int, float, float]:
+    """(data-parallel ranks, share of the model states, share of one block's parameters) one rank keeps under
+    ``config.tp``-way tensor parallelism: ``1/t`` of the split weights and all of the others (chapter 10)."""
     t, layers = config.tp, meas.layers
     if t < 1 or world_size % t:
         raise ValueError(f"tensor-parallel size {t} does not divide the {world_size} ranks")
@@ -334,6 +334,9 @@ def layout(meas: Measurements, config: Config, world_size: int) -> tuple[int, fl
         return world_size, 1.0, 1.0
     if layers is None or layers.heads % t:
         raise ValueError(f"tensor parallelism over {t} ranks needs transformer blocks whose heads {t} divides")
+    if config.sequence_parallel and layers.seq_len % t:
+        raise ValueError(f"sequence parallelism over {t} ranks cuts the sequence: {layers.seq_len} tokens do not "
+                         f"split; choose a sequence length divisible by {t}")
     return (world_size // t, layers.split_share / t + 1 - layers.split_share,
             layers.block_split_share / t + 1 - layers.block_split_share)
 
@@ -365,7 +368,7 @@ def predict_peak(meas: Measurements, config: Config, world_size: int = 1) -> dic
     never understated (at any moment of its backward some exist, and no more activations than at the start).
     """
     n, k, m, s = meas.n_blocks, config.segments, config.micro_batch, config.zero_stage
-    N, share, block_share = layout(meas, config, world_size)  # N: the ranks ZeRO shards over
+    N, share, block_share = tp_shares(meas, config, world_size)  # N: the ranks ZeRO shards over
     c, slope = meas.fb[config.precision]
     _, per_sample, boundary = block_saves(meas, config)
     fb = c + slope * m - n * (meas.block[config.precision][1] - per_sample) * m  # TP: the blocks keep less
@@ -425,7 +428,7 @@ def predict_step_time(meas: Measurements, config: Config, world_size: int = 1,
     ``bandwidth``: bytes per second of data parallelism's collectives; ``tp_bandwidth``: of tensor parallelism's.
     """
     alpha, beta = meas.time[config.precision]
-    dp, share, _ = layout(meas, config, world_size)
+    dp, share, _ = tp_shares(meas, config, world_size)
     # a TP rank runs 1/t of the blocks' FLOPs and all the rest (embedding, head, loss)
     blocks = meas.block_flop_share / config.tp
     work = 1 - meas.block_flop_share + blocks

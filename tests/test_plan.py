@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -221,6 +222,11 @@ def test_tensor_parallel_states_per_rank(model, tp_plan):
         planner.predict_peak(meas, planner.Config("fp32", 1, 8, 1, 0, 3, True), 3)
     with pytest.raises(ValueError, match="does not divide the 4 ranks"):
         planner.predict_peak(meas, planner.Config("fp32", 1, 8, 1, 0, 3, True), 4)
+    odd = dataclasses.replace(meas, layers=dataclasses.replace(meas.layers, seq_len=30))
+    with pytest.raises(ValueError, match="30 tokens do not split"):
+        planner.predict_peak(odd, planner.Config("fp32", 1, 8, 1, 0, 4, True), 4)
+    no_sp = planner.Config("fp32", 1, 8, 1, 0, 4, False)
+    assert planner.predict_peak(odd, no_sp, 4)["params"] > 0  # TP alone cuts no sequence
 
 
 def test_fewer_sequences_than_ranks_need_tensor_parallelism(model):
