@@ -1,8 +1,8 @@
-"""Plan a training configuration for a memory budget (chapter 09, the capstone): measure, predict, search.
+"""Plan a training configuration for a memory budget (chapter 12, the capstone): measure, predict, search.
 
 For every combination of precision (chapter 05), micro-batch with gradient accumulation (chapters 02-03),
-activation checkpointing (chapter 05) and ZeRO stage (chapter 08), predict the peak bytes per device and the
-step time; keep the fastest that fits. The module reads in that order:
+activation checkpointing (chapter 05), ZeRO stage (chapter 08) and tensor-parallel size (chapter 10), predict
+the peak bytes per device and the step time; keep the fastest that fits. The module reads in that order:
 
 1. **measure**: ``train_step`` runs a ``Config``, ``measure_peak`` measures it, ``calibrate`` measures a model once;
 2. **predict**: ``predict_peak``, ``comm_bytes``, ``predict_step_time``: arithmetic on the measurements;
@@ -13,13 +13,17 @@ affine in the micro-batch ``m``) or in the optimizer step (states + Adam's tempo
 whole-step peaks at ``m = 1, 2`` sees the optimizer moment (a maximum of two lines is not a line), so the two are
 measured apart: ``fb`` with the gradients allocated, at ``m = 1, 2``. Checkpointing follows from the bytes one
 block saves (Chen et al. 2016: ``k - 1`` segment inputs kept, at most ``ceil(n/k)`` blocks rebuilt at once); ZeRO
-divides the states (``memory.zero_memory``) and adds what is in flight (chapter 08). Time is relative, since
-timings on a busy machine are noisy: ``A (alpha + beta m)(1 + recompute) + update + communication / bandwidth``.
+divides the states (``memory.zero_memory``) and adds what is in flight (chapter 08). Tensor parallelism over
+``t`` of the ``world = d x t`` ranks splits the blocks' weights and what they save per sequence (``tp_costs``,
+chapter 10); ZeRO then runs over the ``d`` data-parallel ranks. Time is relative, since timings on a busy machine
+are noisy: ``A (alpha + beta m)(1 + recompute) + update + communication / bandwidth``, with data parallelism's
+traffic at an inter-node bandwidth and tensor parallelism's per-layer collectives at an intra-node one.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -32,8 +36,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from course_lib import memory
 from course_lib.checkpointing import checkpointed_sequential, fastest_times, recomputed_blocks, segment_plan
+from course_lib.distributed import tp_costs
 from course_lib.distributed.zero import DEFAULT_BUCKET_MB, bucket_sizes, zero_bytes_per_rank
-from course_lib.models import lm_loss
+from course_lib.models import TransformerBlock, lm_loss
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 BatchFn = Callable[[int], "tuple[torch.Tensor, torch.Tensor]"]
@@ -41,10 +46,14 @@ MiB = 2**20
 # A backward costs about two forwards (6N FLOPs per token, 2N forward + 4N backward; Kaplan et al. 2020,
 # section 2.1): rerunning a forward costs a third of a step.
 FORWARD_SHARE = 1 / 3
-# One PCIe 4.0 x16 link moves about 25 GB/s in practice (nominal 32 GB/s); pass your interconnect's measured
+# Data parallelism's traffic (gradients; ZeRO-3's gathers): one PCIe 4.0 x16 link moves about 25 GB/s in
+# practice (nominal 32 GB/s), as does a 200 Gb/s InfiniBand port between nodes; pass your interconnect's measured
 # all-reduce bandwidth instead (chapter 06).
 DEFAULT_BANDWIDTH = 25e9
-# The prediction's error measured in chapter 09 is a few percent either way, and allocators fragment.
+# Tensor parallelism's per-layer collectives stay inside a node (chapter 10): NVLink 4 moves 450 GB/s each way
+# per H100 SXM GPU (NVIDIA's Hopper architecture page; nominal, a real all-reduce reaches less).
+DEFAULT_TP_BANDWIDTH = 450e9
+# The prediction's error measured in chapter 12 is a few percent either way, and allocators fragment.
 DEFAULT_HEADROOM = 0.05
 TIMING_MAX_MICRO = 64  # larger timed passes would slow planning and add little
 
@@ -60,12 +69,18 @@ class Config:
     micro_batch: int
     accumulation_steps: int
     segments: int           # checkpoint segments over ``model.blocks``; 1 = no checkpointing
-    zero_stage: int         # 0 = plain data parallel (or one device)
+    zero_stage: int         # over the data-parallel ranks; 0 = plain data parallel (or one device)
+    tp: int = 1             # tensor-parallel ranks sharing each block; the world / tp others are data-parallel
+    sequence_parallel: bool = False  # with tp > 1: the LayerNorm regions cut along the sequence (chapter 10)
 
     def describe(self) -> str:
         ckpt = "no checkpointing" if self.segments == 1 else f"checkpointing in {self.segments} segments"
-        return (f"{self.precision}, micro-batch {self.micro_batch} x {self.accumulation_steps} accumulation "
+        text = (f"{self.precision}, micro-batch {self.micro_batch} x {self.accumulation_steps} accumulation "
                 f"steps, {ckpt}, ZeRO stage {self.zero_stage}")
+        if self.tp > 1:
+            text += f", tensor parallel over {self.tp}"
+            text += " with sequence parallelism" if self.sequence_parallel else ""
+        return text
 
 
 def autocast(precision: str, device: torch.device | str):
@@ -127,6 +142,41 @@ def measure_peak(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, target
                                         inputs.device)
 
 
+@dataclass(frozen=True)
+class Layers:
+    """The blocks tensor parallelism can split (chapter 10): ``model.blocks`` all ``TransformerBlock``s alike."""
+
+    heads: int
+    width: int
+    seq_len: int
+    dropout: bool
+    split_share: float                       # of the model's parameters: the blocks' 12h² + 7h that TP splits
+    block_split_share: float                 # of one block's parameters
+
+
+def transformer_layers(model: nn.Module, sample_shape: tuple[int, ...]) -> Layers | None:
+    """What ``Layers`` says of ``model``, or None when its blocks are not all alike ``TransformerBlock``s."""
+    blocks = getattr(model, "blocks", None)
+    if (len(sample_shape) != 1 or not isinstance(blocks, nn.Sequential) or not len(blocks)
+            or not all(isinstance(b, TransformerBlock) for b in blocks)):
+        return None
+    kinds = {(b.attn.n_heads, b.attn.proj.in_features, isinstance(b.attn.attn_drop, nn.Dropout)) for b in blocks}
+    if len(kinds) != 1:
+        return None
+    (heads, width, dropout), = kinds
+    split, whole = tp_costs.block_param_split(width)
+    total = sum(p.numel() for p in model.parameters())
+    return Layers(heads, width, sample_shape[0], dropout, len(blocks) * split / total, split / (split + whole))
+
+
+def tp_sizes(layers: Layers | None, world_size: int, sequence_parallel: bool = True) -> list[int]:
+    """Tensor-parallel sizes that divide the world and the heads (and, with sequence parallelism, the sequence)."""
+    if layers is None:
+        return [1]
+    return [t for t in range(1, world_size + 1) if world_size % t == 0 and layers.heads % t == 0
+            and (not sequence_parallel or layers.seq_len % t == 0)]
+
+
 @dataclass
 class Measurements:
     """What ``calibrate`` measured; the inputs of ``predict_peak`` and ``predict_step_time``."""
@@ -147,6 +197,7 @@ class Measurements:
     optimizer_tmp_bytes: int
     optimizer_s: float
     block_flop_share: float                  # fraction of the forward FLOPs spent in ``model.blocks``
+    layers: Layers | None = None             # what tensor parallelism can split; None: nothing
 
 
 @contextmanager
@@ -266,10 +317,46 @@ def calibrate(model: nn.Module, make_batch: BatchFn, loss_fn: LossFn, device: to
                         bucket_bytes=max(bucket_sizes(trainable, bucket_cap_mb), default=0),
                         gloo=device.type == "cpu", batch_bytes_per_sample=batch_bytes, fb=fb, block=blk,
                         boundary_per_sample=bnd, time=times, timing_micro=tm, optimizer_tmp_bytes=opt_tmp,
-                        optimizer_s=best["opt"], block_flop_share=share)
+                        optimizer_s=best["opt"], block_flop_share=share,
+                        layers=transformer_layers(model, tuple(x1.shape[1:])))
 
 
 # ----- 2. predict: arithmetic on the measurements -------------------------------------------
+
+
+def tp_shares(meas: Measurements, config: Config, world_size: int) -> tuple[int, float, float]:
+    """(data-parallel ranks, share of the model states, share of one block's parameters) one rank keeps under
+    ``config.tp``-way tensor parallelism: ``1/t`` of the split weights and all of the others (chapter 10)."""
+    t, layers = config.tp, meas.layers
+    if t < 1 or world_size % t:
+        raise ValueError(f"tensor-parallel size {t} does not divide the {world_size} ranks")
+    if t == 1:
+        return world_size, 1.0, 1.0
+    if layers is None or layers.heads % t:
+        raise ValueError(f"tensor parallelism over {t} ranks needs transformer blocks whose heads {t} divides")
+    if config.sequence_parallel and layers.seq_len % t:
+        raise ValueError(f"sequence parallelism over {t} ranks cuts the sequence: {layers.seq_len} tokens do not "
+                         f"split; choose a sequence length divisible by {t}")
+    return (world_size // t, layers.split_share / t + 1 - layers.split_share,
+            layers.block_split_share / t + 1 - layers.block_split_share)
+
+
+def block_saves(meas: Measurements, config: Config) -> tuple[float, float, float]:
+    """Bytes one block saves for backward on one rank, ``(constant, per sample)``, and its output per sample.
+
+    Measured on the whole block; under tensor parallelism each rank keeps the share of the per-sample part that
+    ``tp_costs.saved_fraction_per_rank`` gives (torch's ``SequenceParallel``: gathered inputs saved), and with
+    sequence parallelism its shard of the output. The constant part (the causal mask; under autocast also bf16
+    weight copies, which TP would split too: an overestimate) stays whole.
+    """
+    const, per_sample = meas.block[config.precision]
+    boundary = meas.boundary_per_sample.get(config.precision, 0.0)
+    if config.tp == 1:
+        return const, per_sample, boundary
+    layers, sp = meas.layers, config.sequence_parallel
+    kept = tp_costs.saved_fraction_per_rank(layers.seq_len, layers.width, layers.heads, config.tp, sp,
+                                            act_bytes=2 if config.precision == "bf16" else 4, dropout=layers.dropout)
+    return const, per_sample * kept, boundary / (config.tp if sp else 1)
 
 
 def predict_peak(meas: Measurements, config: Config, world_size: int = 1) -> dict:
@@ -280,23 +367,24 @@ def predict_peak(meas: Measurements, config: Config, world_size: int = 1) -> dic
     exist, as they do from the second micro-batch on: a single micro-batch is overstated by up to its gradients,
     never understated (at any moment of its backward some exist, and no more activations than at the start).
     """
-    n, k, m, s, N = meas.n_blocks, config.segments, config.micro_batch, config.zero_stage, world_size
-    c, d = meas.fb[config.precision]
-    fb = c + d * m
+    n, k, m, s = meas.n_blocks, config.segments, config.micro_batch, config.zero_stage
+    N, share, block_share = tp_shares(meas, config, world_size)  # N: the ranks ZeRO shards over
+    c, slope = meas.fb[config.precision]
+    _, per_sample, boundary = block_saves(meas, config)
+    fb = c + slope * m - n * (meas.block[config.precision][1] - per_sample) * m  # TP: the blocks keep less
     if k > 1:  # keep k-1 segment inputs; rebuild one segment (at most ceil(n/k) blocks) at a time
         # Only the per-sample part of a block's saves goes: the constant part is bf16 weight copies (and
         # buffers), which autocast's cache keeps to the end of the forward pass, checkpointed or not.
-        per_sample = meas.block[config.precision][1]
         rebuilt = max(len(r) for r in segment_plan(n, k))
-        fb -= ((n - rebuilt) * per_sample - (k - 1) * meas.boundary_per_sample[config.precision]) * m
-    # the states: ZeRO's formula, with the model's measured bytes as the bytes of one "parameter"
-    states = zero_bytes_per_rank(1, N, s, meas.param_bytes, meas.grad_bytes, meas.optimizer_bytes)
+        fb -= ((n - rebuilt) * per_sample - (k - 1) * boundary) * m
+    # the states: ZeRO's formula, with the bytes one TP rank holds as the bytes of one "parameter"
+    states = zero_bytes_per_rank(share, N, s, meas.param_bytes, meas.grad_bytes, meas.optimizer_bytes)
     in_flight = 0.0
     if N > 1 and s == 2:  # ZeroOptimizer: one bucket's full gradient (plus gloo's copy of it) and its slice
-        in_flight = meas.bucket_bytes * (1 + meas.gloo + 1 / N)
+        in_flight = meas.bucket_bytes * share * (1 + meas.gloo + 1 / N)
     elif N > 1 and s == 3:  # FSDP2: one block gathered, the next prefetched, one block's gradient (and gloo's copy)
-        in_flight = meas.unit_bytes * (3 + meas.gloo)
-    opt_tmp = meas.optimizer_tmp_bytes / (N if s >= 1 else 1)  # the update runs on this rank's shard
+        in_flight = meas.unit_bytes * block_share * (3 + meas.gloo)
+    opt_tmp = meas.optimizer_tmp_bytes * share / (N if s >= 1 else 1)  # the update runs on this rank's shard
     parts = dict(**states, batch=meas.batch_bytes_per_sample * m * config.accumulation_steps,
                  transient=max(fb + in_flight, opt_tmp))
     out: dict = {key: int(math.ceil(v)) for key, v in parts.items()}
@@ -318,17 +406,39 @@ def comm_bytes(param_bytes: int, config: Config, world_size: int) -> float:
     return share * {0: 2, 1: 2, 2: a + 1, 3: 3 * a}[config.zero_stage]
 
 
+def tp_comm_bytes(meas: Measurements, config: Config) -> float:
+    """Bytes one rank sends per optimizer step in tensor parallelism's per-layer collectives (chapter 10).
+
+    Four activation-sized collectives per block and micro-batch (``tp_costs.comm_bytes_per_layer``, gathered
+    inputs saved). Left out, as small: the gathers before the head and of the embedding's gradient, and under
+    sequence parallelism the once-per-step sum of the LayerNorms' gradients.
+    """
+    if config.tp == 1:
+        return 0.0
+    layers, act = meas.layers, 2 if config.precision == "bf16" else 4
+    per_block = tp_costs.comm_bytes_per_layer(layers.seq_len, config.micro_batch, layers.width, config.tp,
+                                              config.sequence_parallel, regather=False, act_bytes=act)
+    return config.accumulation_steps * meas.n_blocks * sum(per_block.values())
+
+
 def predict_step_time(meas: Measurements, config: Config, world_size: int = 1,
-                      bandwidth: float = DEFAULT_BANDWIDTH) -> float:
-    """Predicted seconds of one optimizer step: good for ranking configurations, rough in absolute terms."""
+                      bandwidth: float = DEFAULT_BANDWIDTH, tp_bandwidth: float = DEFAULT_TP_BANDWIDTH) -> float:
+    """Predicted seconds of one optimizer step: good for ranking configurations, rough in absolute terms.
+
+    ``bandwidth``: bytes per second of data parallelism's collectives; ``tp_bandwidth``: of tensor parallelism's.
+    """
     alpha, beta = meas.time[config.precision]
+    dp, share, _ = tp_shares(meas, config, world_size)
+    # a TP rank runs 1/t of the blocks' FLOPs and all the rest (embedding, head, loss)
+    blocks = meas.block_flop_share / config.tp
+    work = 1 - meas.block_flop_share + blocks
     recompute = 0.0
     if config.segments > 1:
-        recompute = (FORWARD_SHARE * meas.block_flop_share
-                     * recomputed_blocks(meas.n_blocks, config.segments) / meas.n_blocks)
-    compute = config.accumulation_steps * (alpha + beta * config.micro_batch) * (1 + recompute)
-    update = meas.optimizer_s / (world_size if config.zero_stage >= 1 else 1)
-    return compute + update + comm_bytes(meas.param_bytes, config, world_size) / bandwidth
+        recompute = FORWARD_SHARE * blocks / work * recomputed_blocks(meas.n_blocks, config.segments) / meas.n_blocks
+    compute = config.accumulation_steps * (alpha + beta * config.micro_batch * work) * (1 + recompute)
+    update = meas.optimizer_s * share / (dp if config.zero_stage >= 1 else 1)
+    return (compute + update + comm_bytes(meas.param_bytes * share, config, dp) / bandwidth
+            + tp_comm_bytes(meas, config) / tp_bandwidth)
 
 
 # ----- 3. search: every candidate, the fastest that fits, and why ------------------------------
@@ -336,7 +446,7 @@ def predict_step_time(meas: Measurements, config: Config, world_size: int = 1,
 
 @dataclass
 class Candidate:
-    """One (precision, segments, stage) at its largest fitting micro-batch (at micro-batch 1 if none fits)."""
+    """One (precision, segments, layout, stage) at its largest fitting micro-batch (at 1 if none fits)."""
 
     config: Config
     fits: bool
@@ -358,15 +468,21 @@ class Plan:
     candidates: list[Candidate] = field(default_factory=list)
     measurements: Measurements | None = None
 
+    @property
+    def mesh(self) -> tuple[int, int]:
+        """(data-parallel, tensor-parallel) ranks of the chosen configuration."""
+        return self.world_size // self.config.tp, self.config.tp
+
     def table(self, limit: int | None = None) -> str:
         """The candidates, fastest first (then those that do not fit), one line each."""
-        rows = [f"{'precision':>9} {'segments':>8} {'ZeRO':>4} {'micro':>5} {'accum':>5} {'peak MiB':>9} "
-                f"{'samples/s':>9}"]
+        rows = [f"{'precision':>9} {'segments':>8} {'d x t':>5} {'ZeRO':>4} {'micro':>5} {'accum':>5} "
+                f"{'peak MiB':>9} {'samples/s':>9}"]
         for c in sorted(self.candidates, key=lambda c: (-c.samples_per_s, c.peak["total"]))[:limit]:
             m, a = (c.config.micro_batch, c.config.accumulation_steps) if c.fits else ("-", "-")
             note = "  <- chosen" if c.config == self.config else ("" if c.fits else "  (micro-batch 1 too big)")
-            rows.append(f"{c.config.precision:>9} {c.config.segments:>8} {c.config.zero_stage:>4} {m:>5} {a:>5} "
-                        f"{c.peak['total'] / MiB:9.1f} {c.samples_per_s:9.1f}{note}")
+            mesh = f"{self.world_size // c.config.tp}x{c.config.tp}"
+            rows.append(f"{c.config.precision:>9} {c.config.segments:>8} {mesh:>5} {c.config.zero_stage:>4} {m:>5} "
+                        f"{a:>5} {c.peak['total'] / MiB:9.1f} {c.samples_per_s:9.1f}{note}")
         return "\n".join(rows)
 
 
@@ -383,28 +499,44 @@ def _parts(peak: dict) -> str:
     return ", ".join(f"{k} {peak[k] / MiB:.1f}" for k in ("params", "grads", "optimizer", "batch", "transient"))
 
 
+def _layouts(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, world_size: int,
+             tensor_parallel: bool, sequence_parallel: bool) -> list[int]:
+    """The tensor-parallel sizes to try: those ``tp_sizes`` allows whose data-parallel ranks split the batch."""
+    sizes = tp_sizes(transformer_layers(model, sample_shape), world_size, sequence_parallel) if tensor_parallel else [1]
+    ok = [t for t in sizes if global_batch % (world_size // t) == 0]
+    if not ok:
+        layouts = " or ".join(f"{world_size // t}x{t}" for t in sizes)
+        raise ValueError(f"global batch {global_batch} does not split evenly over {world_size} ranks: use a multiple "
+                         f"of {world_size}" + (f" (or of the data-parallel ranks d of a d x t layout: {layouts})"
+                                              if len(sizes) > 1 else ""))
+    return ok
+
+
 def plan(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, memory_budget_bytes: int,
          world_size: int = 1, *, loss_fn: LossFn | None = None, make_batch: BatchFn | None = None,
          device: torch.device | str | None = None, precisions: tuple[str, ...] | None = None,
          headroom: float = DEFAULT_HEADROOM, bandwidth: float = DEFAULT_BANDWIDTH,
-         bucket_cap_mb: float = DEFAULT_BUCKET_MB) -> Plan:
+         bucket_cap_mb: float = DEFAULT_BUCKET_MB, tensor_parallel: bool = True, sequence_parallel: bool = True,
+         tp_bandwidth: float = DEFAULT_TP_BANDWIDTH) -> Plan:
     """The fastest predicted configuration whose peak bytes per device fit ``memory_budget_bytes``, with Adam.
 
-    ``global_batch`` samples of shape ``sample_shape`` per step are split evenly over ``world_size`` ranks; each
+    ``global_batch`` samples of shape ``sample_shape`` per step are split evenly over the data-parallel ranks; each
     runs micro-batches (a divisor of its share) with accumulation, in fp32 or bf16 autocast, checkpointing
-    ``model.blocks`` or not, at a ZeRO stage (0-3; stage 2 as ``ZeroOptimizer`` with ``bucket_cap_mb``). The
-    predicted peak must fit ``(1 - headroom)`` of the budget. ``loss_fn`` and ``make_batch(m) -> (inputs,
-    targets)`` default to ``default_batch``'s. The model is measured in place on ``device`` (default: where its
-    parameters are) and left as it was. Raises ``ValueError`` when nothing fits, saying what the smallest needs.
+    ``model.blocks`` or not, at a ZeRO stage (0-3; stage 2 as ``ZeroOptimizer`` with ``bucket_cap_mb``). With
+    ``tensor_parallel`` and blocks that are ``TransformerBlock``s, the ``world_size`` ranks may also form a
+    ``d x t`` mesh: ``t`` ranks (dividing the heads) split every block, with ``sequence_parallel`` or not, and
+    FSDP2 (ZeRO-3) shards over the ``d`` others, as chapter 10 trains. ``bandwidth`` prices data parallelism's
+    traffic, ``tp_bandwidth`` tensor parallelism's. The predicted peak must fit ``(1 - headroom)`` of the budget.
+    ``loss_fn`` and ``make_batch(m) -> (inputs, targets)`` default to ``default_batch``'s. The model is measured in
+    place on ``device`` (default: where its parameters are) and left as it was. Raises ``ValueError`` when
+    nothing fits, saying what the smallest needs.
     """
     device = torch.device(device) if device is not None else next(model.parameters()).device
     if world_size < 1 or global_batch < 1 or memory_budget_bytes <= 0 or not 0 <= headroom < 1:
         raise ValueError(f"need world_size >= 1, global_batch >= 1, a positive budget and 0 <= headroom < 1; "
                          f"got {world_size}, {global_batch}, {memory_budget_bytes}, {headroom}")
-    if global_batch % world_size:
-        raise ValueError(f"global batch {global_batch} does not split evenly over {world_size} ranks: "
-                         f"use a multiple of {world_size}")
-    per_rank, usable = global_batch // world_size, int(memory_budget_bytes * (1 - headroom))
+    sizes = _layouts(model, tuple(sample_shape), global_batch, world_size, tensor_parallel, sequence_parallel)
+    usable = int(memory_budget_bytes * (1 - headroom))
     budget_text = f"{memory_budget_bytes / MiB:.1f} MiB per device ({usable / MiB:.1f} usable)"
     states = 4 * memory.param_bytes(model) / world_size  # weights, gradients, Adam's 2 moments: ZeRO-3 at best
     if states > usable:
@@ -414,36 +546,48 @@ def plan(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, mem
         bf16 = device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_bf16_supported())
         precisions = ("fp32", "bf16") if bf16 else ("fp32",)
     default_make, default_loss = default_batch(model, tuple(sample_shape), device)
+    largest = global_batch // (world_size // max(sizes))  # the largest share of the batch a rank runs
     try:
         meas = calibrate(model, make_batch or default_make, loss_fn or default_loss, device, precisions,
-                         min(per_rank, TIMING_MAX_MICRO), usable, bucket_cap_mb)
+                         min(largest, TIMING_MAX_MICRO), usable, bucket_cap_mb)
     except torch.OutOfMemoryError as exc:
         raise ValueError(f"the device ran out of memory measuring micro-batches 1 and 2 of this model: it does "
                          f"not fit {budget_text}. Use a smaller model or more ranks.") from exc
-    divisors = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
     candidates = []
     for prec in precisions:
         for k in segment_options(meas.n_blocks):
-            for s in [0] if world_size == 1 else [0, 1, 2, 3]:
-                cfgs = [Config(prec, m, per_rank // m, k, s) for m in divisors]
-                ok = [c for c in cfgs if predict_peak(meas, c, world_size)["total"] <= usable]
-                cfg = ok[-1] if ok else cfgs[0]  # the largest micro-batch: fewest passes, least fixed cost
-                speed = global_batch / predict_step_time(meas, cfg, world_size, bandwidth) if ok else 0.0
-                candidates.append(Candidate(cfg, bool(ok), predict_peak(meas, cfg, world_size), speed))
+            for t in sizes:
+                dp = world_size // t
+                per_rank = global_batch // dp
+                # TP runs with FSDP2 over the data-parallel ranks (chapter 10); plain data parallelism takes any stage
+                stages = [0] if dp == 1 else [0, 1, 2, 3] if t == 1 else [3]
+                for s in stages:
+                    cfgs = [Config(prec, m, per_rank // m, k, s, t, sequence_parallel and t > 1)
+                            for m in range(1, per_rank + 1) if per_rank % m == 0]
+                    ok = [c for c in cfgs if predict_peak(meas, c, world_size)["total"] <= usable]
+                    cfg = ok[-1] if ok else cfgs[0]  # the largest micro-batch: fewest passes, least fixed cost
+                    speed = (global_batch / predict_step_time(meas, cfg, world_size, bandwidth, tp_bandwidth)
+                             if ok else 0.0)
+                    candidates.append(Candidate(cfg, bool(ok), predict_peak(meas, cfg, world_size), speed))
     fits = sorted((c for c in candidates if c.fits), key=lambda c: -c.samples_per_s)
     if not fits:
         small = min(candidates, key=lambda c: c.peak["total"])
+        more = "ZeRO-3 divides the model states by the world size"
+        if max(sizes) > 1:
+            more += ", tensor parallelism what each block saves"
         raise ValueError(f"nothing fits {budget_text}: the smallest configuration ({small.config.describe()}) "
                          f"needs {small.peak['total'] / MiB:.1f} MiB ({_parts(small.peak)} MiB). Use a budget of at "
                          f"least {small.peak['total'] / (1 - headroom) / MiB:.1f} MiB, a smaller model or shorter "
-                         "samples, or more ranks (ZeRO-3 divides the model states by the world size).")
+                         f"samples, or more ranks ({more}).")
     best, cfg = fits[0], fits[0].config
-    why = [f"Chosen: {cfg.describe()}. Predicted peak {best.peak['total'] / MiB:.1f} MiB of {budget_text} "
+    dp, per_rank = world_size // cfg.tp, global_batch // (world_size // cfg.tp)
+    mesh = f" on {dp} data-parallel x {cfg.tp} tensor-parallel ranks" if cfg.tp > 1 else ""
+    why = [f"Chosen: {cfg.describe()}{mesh}. Predicted peak {best.peak['total'] / MiB:.1f} MiB of {budget_text} "
            f"({_parts(best.peak)} MiB; the peak is in the {best.peak['where']}), about {best.samples_per_s:.0f} "
            "samples/s."]
-    bigger = [m for m in divisors if m > cfg.micro_batch]
+    bigger = [m for m in range(cfg.micro_batch + 1, per_rank + 1) if per_rank % m == 0]
     if bigger:
-        nxt = Config(cfg.precision, bigger[0], per_rank // bigger[0], cfg.segments, cfg.zero_stage)
+        nxt = dataclasses.replace(cfg, micro_batch=bigger[0], accumulation_steps=per_rank // bigger[0])
         why.append(f"Micro-batch {bigger[0]} would need {predict_peak(meas, nxt, world_size)['total'] / MiB:.1f} MiB.")
     if len(fits) > 1:
         why.append(f"Runner-up: {fits[1].config.describe()}, {fits[1].samples_per_s:.0f} samples/s.")

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
 from course_lib import memory, planner
 from course_lib.data import make_tokens
+from course_lib.distributed.tensor_parallel import TPBlock, TPGroup
 from course_lib.models import MLP, ResNet, TinyTransformer, lm_loss
 from course_lib.norms import MABN2d, make_norm
 
@@ -128,7 +130,7 @@ def test_impossible_budgets_say_what_is_needed(model, measured_plan):
 
 def test_bad_arguments_are_clear_errors(model):
     with pytest.raises(ValueError, match="does not split evenly over 4 ranks: use a multiple of 4"):
-        planner.plan(model, (T,), 10, 64 * MiB, world_size=4)
+        planner.plan(model, (T,), 10, 64 * MiB, world_size=4, tensor_parallel=False)
     with pytest.raises(ValueError, match=r"samples of shape \(seq_len,\)"):
         planner.plan(model, (3, 32, 32), B, 64 * MiB)
     with pytest.raises(ValueError, match="positive budget"):
@@ -145,7 +147,7 @@ def test_more_ranks_shard_the_states_and_make_room():
     budget = int(0.8 * states)  # the states alone do not fit one device
     with pytest.raises(ValueError, match="states alone"):
         planner.plan(model, (T,), B, budget)
-    p = planner.plan(model, (T,), B, budget, world_size=4)
+    p = planner.plan(model, (T,), B, budget, world_size=4, tensor_parallel=False)  # ZeRO alone
     assert p.config.zero_stage >= 1 and p.predicted_peak_bytes <= 0.95 * budget
     assert p.config.micro_batch * p.config.accumulation_steps == B // 4
     # per-rank states fall stage by stage (chapter 08): optimizer state, then gradients, then parameters
@@ -161,6 +163,95 @@ def test_more_ranks_shard_the_states_and_make_room():
     comm = [planner.comm_bytes(meas.param_bytes, c, 4) for c in cfgs]
     assert comm[1] == comm[0] and comm[2] == pytest.approx(comm[0] * 5 / 2) and comm[3] == pytest.approx(comm[0] * 6)
     assert planner.comm_bytes(meas.param_bytes, cfgs[3], 1) == 0
+
+
+class RankZeroOf(TPGroup):
+    """Rank 0 of a tensor-parallel group of ``t``, alone: its collectives return tensors of the right shapes
+    (not the right values), enough to see what one rank of ``TPBlock`` saves."""
+
+    def __init__(self, t: int):
+        super().__init__()
+        self.t = t
+
+    @property
+    def size(self) -> int:
+        return self.t
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return torch.cat([x] * self.t, dim=dim)
+
+    def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return x.chunk(self.t, dim=dim)[0].clone()
+
+
+@pytest.fixture(scope="module")
+def tp_plan(model: TinyTransformer) -> planner.Plan:
+    return planner.plan(model, (T,), B, 1 << 34, world_size=4, precisions=("fp32",))
+
+
+@pytest.mark.parametrize("t, sp", [(2, False), (2, True), (4, False), (4, True)])
+def test_tensor_parallel_saves_what_one_rank_of_a_split_block_saves(model, tp_plan, t, sp):
+    b = 3
+    rank0 = TPBlock(model.blocks[0], RankZeroOf(t), sequence_parallel=sp)  # torch's SP: gathered inputs saved
+    x = torch.randn(b, T // t if sp else T, model.blocks[0].ln1.normalized_shape[0], requires_grad=True)
+    saved = memory.saved_activation_bytes(lambda: rank0(x), list(rank0.parameters()))
+    const, per_sample, boundary = planner.block_saves(tp_plan.measurements, planner.Config("fp32", b, 1, 1, 3, t, sp))
+    assert const + per_sample * b == pytest.approx(saved, rel=1e-9)
+    one = planner.block_saves(tp_plan.measurements, planner.Config("fp32", b, 1, 1, 3))
+    assert boundary == pytest.approx(one[2] / (t if sp else 1))  # a block's output: this rank's shard under SP
+
+
+def test_tensor_parallel_states_per_rank(model, tp_plan):
+    split = sum(p.numel() for n, p in model.named_parameters()
+                if n.endswith(("qkv.weight", "qkv.bias", "proj.weight", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight")))
+    whole = sum(p.numel() for p in model.parameters()) - split
+    meas = tp_plan.measurements
+    for t, stage in ((2, 3), (4, 0)):
+        peak = planner.predict_peak(meas, planner.Config("fp32", 1, 8, 1, stage, t, True), 4)
+        per_tp_rank = split / t + whole
+        assert peak["params"] == pytest.approx(4 * per_tp_rank / (4 // t if stage == 3 else 1), abs=1)
+        assert peak["grads"] == peak["params"]
+    with pytest.raises(ValueError, match="heads 3 divides"):
+        planner.predict_peak(meas, planner.Config("fp32", 1, 8, 1, 0, 3, True), 3)
+    with pytest.raises(ValueError, match="does not divide the 4 ranks"):
+        planner.predict_peak(meas, planner.Config("fp32", 1, 8, 1, 0, 3, True), 4)
+    odd = dataclasses.replace(meas, layers=dataclasses.replace(meas.layers, seq_len=30))
+    with pytest.raises(ValueError, match="30 tokens do not split"):
+        planner.predict_peak(odd, planner.Config("fp32", 1, 8, 1, 0, 4, True), 4)
+    no_sp = planner.Config("fp32", 1, 8, 1, 0, 4, False)
+    assert planner.predict_peak(odd, no_sp, 4)["params"] > 0  # TP alone cuts no sequence
+
+
+def test_fewer_sequences_than_ranks_need_tensor_parallelism(model):
+    with pytest.raises(ValueError, match="does not split evenly over 4 ranks: use a multiple of 4$"):
+        planner.plan(model, (T,), 2, 1 << 34, world_size=4, tensor_parallel=False)
+    p = planner.plan(model, (T,), 2, 1 << 34, world_size=4)
+    d, t = p.mesh
+    assert t > 1 and d * t == 4 and p.config.micro_batch * p.config.accumulation_steps == 2 // d
+    assert p.config.sequence_parallel and p.config.zero_stage == (3 if d > 1 else 0)
+    assert f"on {d} data-parallel x {t} tensor-parallel ranks" in p.explanation
+    assert {c.config.tp for c in p.candidates} == {2, 4}  # 4 x 1 cannot split 2 sequences
+    with pytest.raises(ValueError, match=r"use a multiple of 8 \(or of the data-parallel ranks d of a d x t layout"):
+        planner.plan(model, (T,), 3, 1 << 34, world_size=8)  # 8x1, 4x2, 2x4: none splits 3 sequences
+
+
+def test_both_bandwidths_price_their_traffic(model):
+    meas = planner.plan(model, (T,), 4, 1 << 34, world_size=4, precisions=("fp32",)).measurements
+    tp2 = planner.Config("fp32", 2, 1, 1, 3, 2, True)
+    assert planner.tp_comm_bytes(meas, tp2) > 0 == planner.tp_comm_bytes(meas, planner.Config("fp32", 1, 1, 1, 3))
+    slow, fast = (planner.predict_step_time(meas, tp2, 4, tp_bandwidth=bw) for bw in (1e6, 1e12))
+    assert slow - fast == pytest.approx(planner.tp_comm_bytes(meas, tp2) * (1e-6 - 1e-12))
+    # traffic that costs nothing against traffic that costs everything: the layouts swap
+    no_tp = planner.plan(model, (T,), 4, 1 << 34, world_size=4, precisions=("fp32",), tp_bandwidth=1.0)
+    no_dp = planner.plan(model, (T,), 4, 1 << 34, world_size=4, precisions=("fp32",), bandwidth=1.0)
+    assert no_tp.mesh == (4, 1) and no_dp.mesh == (1, 4)
 
 
 def test_segment_options_and_checkpointing(model):

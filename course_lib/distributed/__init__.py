@@ -1,4 +1,4 @@
-"""Distributed training (chapters 06-08).
+"""Distributed training (chapters 06-08 and 10; the capstone, chapter 12, launches its workers).
 
 - ``launch``: run worker modules under torchrun from a notebook or a test; the worker's init/report/shutdown.
 - ``results``: the dataclasses workers report, rebuilt on the parent's side with ``from_dict``.
@@ -6,8 +6,9 @@
 - ``comm``: collectives that count the bytes they send, batched point-to-point messages, a ring all-reduce by hand.
 - ``ddp``: ``NaiveDDP`` and ``BucketedDDP``, the teaching versions of ``DistributedDataParallel`` (chapter 06);
   ``ddp_dynamic``: ``DynamicBucketedDDP``, for hook counts, unused parameters and re-sends.
-- ``comm``: collectives that count the bytes they send, batched point-to-point messages, a ring all-reduce.
 - ``zero``: ZeRO-1/2 by hand (``ZeroOptimizer``) and FSDP2's traffic and memory measured (chapter 08).
+- ``tensor_parallel``: Megatron's column- and row-parallel layers, f and g, sequence parallelism (chapter 10);
+  ``tp_costs``: their bytes, activations and traffic in formulas (chapter 10, and the capstone's planner).
 
 Worker entry points live in ``course_lib.workers``.
 """

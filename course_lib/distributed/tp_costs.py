@@ -84,6 +84,30 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, tp: int = 1, sequ
     return per_rank + (norms + masks) / tp + (linear_inputs / tp if regather else linear_inputs)
 
 
+def norm_stats_bytes(s: int, b: int, tp: int = 1, sequence_parallel: bool = False, stats_bytes: int = 4) -> float:
+    """Bytes the two LayerNorms of a layer save besides their inputs: a mean and a reciprocal standard deviation
+    per position they normalise (this rank's positions under sequence parallelism). The paper leaves them out."""
+    _check_sizes(s=s, b=b, tp=tp)
+    return 2 * 2 * s * b / (tp if sequence_parallel else 1) * stats_bytes
+
+
+def saved_fraction_per_rank(s: int, h: int, a: int, tp: int, sequence_parallel: bool = False, act_bytes: int = 4,
+                            dropout: bool = False, regather: bool = False) -> float:
+    """The share of what one layer saves per sequence that each of ``tp`` ranks keeps (1 at ``tp = 1``).
+
+    Table 2's terms (``activation_bytes_per_layer``) and the LayerNorms'
+    statistics (``act_bytes`` each), per sequence; the causal mask (s² bytes a layer saves once per
+    micro-batch, whole on every rank) is not per sequence, so not in it. The
+    defaults describe the course's block trained in fp32 under torch's
+    ``SequenceParallel``: 4-byte activations, no dropout, gathered inputs saved.
+    """
+    def per_rank(t: int) -> float:
+        return (activation_bytes_per_layer(s, 1, h, a, t, sequence_parallel, act_bytes, dropout=dropout,
+                                           regather=regather)
+                + norm_stats_bytes(s, 1, t, sequence_parallel, act_bytes))
+    return per_rank(tp) / per_rank(1)
+
+
 def collectives_per_layer(sequence_parallel: bool = False, regather: bool = True) -> dict[str, tuple[int, int]]:
     """How many of each collective one layer runs per micro-batch: ``{op: (forward, backward)}``."""
     if not sequence_parallel:
