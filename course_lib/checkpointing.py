@@ -233,25 +233,33 @@ def chain(n: int, width: int) -> nn.Sequential:
 
 
 def fastest_times(steps: dict[str, Callable[[], object]], repeats: int = 5,
-                  clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+                  clock: Callable[[], float] = time.perf_counter, threads: int | None = None) -> dict[str, float]:
     """Seconds of the fastest of ``repeats`` runs of each step, run in turns (a, b, a, b, ...) after a warm-up.
 
     Taking turns spreads any slowdown from other processes over all the steps,
     and the fastest run is the one least disturbed, so ratios of these times
     are steadier than ratios of single runs. On a GPU, synchronise inside the step.
     ``clock`` is wall-clock time by default; ``time.process_time`` counts the CPU time
-    this process used instead (its work, not its waiting; all its threads summed).
+    this process used instead (its work, not its waiting for a core). ``threads`` runs the
+    steps on that many intra-op threads (restored afterwards): with ``threads=1`` the CPU
+    time is one core's work, without the time several threads spin waiting for each other.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
-    for step in steps.values():
-        step()  # warm-up: first-call allocations and kernel selection are not the step's cost
-    best = {name: math.inf for name in steps}
-    for _ in range(repeats):
-        for name, step in steps.items():
-            start = clock()
-            step()
-            best[name] = min(best[name], clock() - start)
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        for step in steps.values():
+            step()  # warm-up: first-call allocations and kernel selection are not the step's cost
+        best = {name: math.inf for name in steps}
+        for _ in range(repeats):
+            for name, step in steps.items():
+                start = clock()
+                step()
+                best[name] = min(best[name], clock() - start)
+    finally:
+        torch.set_num_threads(before)
     return best
 
 

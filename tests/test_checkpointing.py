@@ -211,6 +211,13 @@ def test_fastest_times_with_another_clock():
     assert times == {"a": 0.5}  # each run reads the clock twice, one tick apart
 
 
+def test_fastest_times_on_a_given_number_of_threads():
+    before = torch.get_num_threads()
+    seen = []
+    fastest_times({"a": lambda: seen.append(torch.get_num_threads())}, repeats=2, threads=1)
+    assert seen == [1, 1, 1] and torch.get_num_threads() == before  # restored afterwards
+
+
 # ----- the longest sequence that fits --------------------------------------------------
 
 
