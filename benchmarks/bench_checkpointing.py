@@ -5,9 +5,13 @@
 - ``checkpoint_time_ratio``: step time with those segments over the plain step (fastest of several runs,
   taken in turns). Recomputing 12 of 16 block forwards, with a backward of about two forwards, predicts
   about (3 + 0.75) / 3 = 1.25.
+- ``checkpoint_cpu_time_ratio`` (on a CPU): the same ratio in one thread's CPU time, which other
+  processes on a shared machine do not inflate (measured 1.30).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -39,10 +43,15 @@ def run() -> dict[str, dict]:
     step(blocks)()  # warm-up
     peak_ratio = peak(ckpt) / peak(blocks)
     times = fastest_times({"plain": step(blocks), "checkpointed": step(ckpt)}, repeats=7)
-    return {
+    out = {
         "checkpoint_peak_ratio": {"value": peak_ratio, "goal": "<= 0.6"},
         "checkpoint_time_ratio": {"value": times["checkpointed"] / times["plain"], "goal": "<= 1.5"},
     }
+    if device.type == "cpu":
+        cpu = fastest_times({"plain": step(blocks), "checkpointed": step(ckpt)}, repeats=7, clock=time.process_time,
+                            threads=1)
+        out["checkpoint_cpu_time_ratio"] = {"value": cpu["checkpointed"] / cpu["plain"], "goal": "<= 1.4"}
+    return out
 
 
 if __name__ == "__main__":

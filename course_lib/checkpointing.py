@@ -16,7 +16,9 @@ checkpointed block.
 - ``Checkpointed`` and ``checkpoint_blocks``: wrap each block of a model, fully
   or selectively (``torch.utils.checkpoint.create_selective_checkpoint_contexts``
   with a policy that saves chosen ops and recomputes the rest);
-- ``count_forward_calls``, ``chain`` and ``fastest_times``: what the chapter measures with.
+- ``count_forward_calls``, ``chain`` and ``fastest_times``: what the chapter measures with;
+- ``predict_longest`` and ``longest_fitting``: the experiment's search for the longest
+  sequence that fits a memory budget, predicted from three short steps, then checked.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import math
 import time
 from collections import Counter
 from contextlib import contextmanager
-from typing import Callable, Collection, Iterable, Iterator
+from typing import Callable, Collection, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -230,21 +232,109 @@ def chain(n: int, width: int) -> nn.Sequential:
     return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(n)])
 
 
-def fastest_times(steps: dict[str, Callable[[], object]], repeats: int = 5) -> dict[str, float]:
+def fastest_times(steps: dict[str, Callable[[], object]], repeats: int = 5,
+                  clock: Callable[[], float] = time.perf_counter, threads: int | None = None) -> dict[str, float]:
     """Seconds of the fastest of ``repeats`` runs of each step, run in turns (a, b, a, b, ...) after a warm-up.
 
     Taking turns spreads any slowdown from other processes over all the steps,
     and the fastest run is the one least disturbed, so ratios of these times
     are steadier than ratios of single runs. On a GPU, synchronise inside the step.
+    ``clock`` is wall-clock time by default; ``time.process_time`` counts the CPU time
+    this process used instead (its work, not its waiting for a core). ``threads`` runs the
+    steps on that many intra-op threads (restored afterwards): with ``threads=1`` the CPU
+    time is one core's work, without the time several threads spin waiting for each other.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
-    for step in steps.values():
-        step()  # warm-up: first-call allocations and kernel selection are not the step's cost
-    best = {name: math.inf for name in steps}
-    for _ in range(repeats):
-        for name, step in steps.items():
-            start = time.perf_counter()
-            step()
-            best[name] = min(best[name], time.perf_counter() - start)
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        for step in steps.values():
+            step()  # warm-up: first-call allocations and kernel selection are not the step's cost
+        best = {name: math.inf for name in steps}
+        for _ in range(repeats):
+            for name, step in steps.items():
+                start = clock()
+                step()
+                best[name] = min(best[name], clock() - start)
+    finally:
+        torch.set_num_threads(before)
     return best
+
+
+# ----- the longest sequence that fits -------------------------------------------------
+
+
+def fit_parabola(lengths: Sequence[float], peaks: Sequence[float]) -> tuple[float, float, float]:
+    """``(a, b, c)`` of the parabola ``a + b T + c T^2`` through three measured ``(length, peak)`` points."""
+    if len(lengths) != 3 or len(peaks) != 3 or len(set(lengths)) != 3:
+        raise ValueError(f"need peaks at three different lengths, got lengths {list(lengths)} and {len(peaks)} peaks")
+    (t1, t2, t3), (p1, p2, p3) = lengths, peaks
+    # Newton's divided differences: the exact interpolating parabola, no least squares
+    d12, d23 = (p2 - p1) / (t2 - t1), (p3 - p2) / (t3 - t2)
+    c = (d23 - d12) / (t3 - t1)
+    b = d12 - c * (t1 + t2)
+    return p1 - b * t1 - c * t1 * t1, b, c
+
+
+def predict_longest(lengths: Sequence[int], peaks: Sequence[float], budget: float, step: int = 1) -> int:
+    """The longest multiple of ``step`` at which the parabola through three measured ``(length, peak)`` points
+    stays within ``budget`` (0 if none does).
+
+    A transformer step's memory is ``a + b T + c T^2`` in the sequence length T: the weights and their
+    gradients do not grow with T, most activations grow like T, the attention matrices like T^2. Three
+    peaks fix the three coefficients, as long as the peak falls at the same moment of the step at all
+    three lengths and beyond; when it does not, the prediction is off, so it is where
+    ``longest_fitting`` starts its search, not the answer.
+    """
+    if step < 1:
+        raise ValueError(f"step must be at least 1 token, got {step}")
+    a, b, c = fit_parabola(lengths, peaks)
+    if c > 0:
+        disc = b * b - 4 * c * (a - budget)
+        if disc < 0:
+            return 0
+        longest = (-b + math.sqrt(disc)) / (2 * c)
+    elif b > 0:  # no quadratic part: a line
+        longest = (budget - a) / b
+    else:
+        raise ValueError(f"the peaks {list(peaks)} do not grow with the length: measure at longer lengths")
+    return max(0, int(longest // step) * step)
+
+
+def longest_fitting(fits: Callable[[int], bool], guess: int, step: int, limit: int) -> tuple[int, list[int]]:
+    """The largest multiple of ``step`` up to ``limit`` for which ``fits`` holds, searched from ``guess``.
+
+    ``fits`` must turn false once and stay false (memory grows with the length). From the guess it
+    steps outwards by 1, 2, 4, ... steps until the answer is bracketed, then bisects: a right guess
+    costs two calls (the guess fits, one step more does not), each one a real training step.
+    Returns ``(length, the lengths tried in order)``; the length is 0 if not even ``step`` fits.
+    """
+    if step < 1 or limit < step:
+        raise ValueError(f"need 1 <= step <= limit, got step={step}, limit={limit}")
+    top = limit // step  # work in units of step: 1 .. top
+    tried: list[int] = []
+    known: dict[int, bool] = {}
+
+    def ok(u: int) -> bool:
+        if u not in known:
+            known[u] = fits(u * step)
+            tried.append(u * step)
+        return known[u]
+
+    g = min(max(1, guess // step), top)
+    if ok(g):  # step up by 1, 2, 4, ... until a length does not fit (or the limit is passed)
+        lo, d = g, 1
+        while lo + d <= top and ok(lo + d):
+            lo, d = lo + d, 2 * d
+        hi = min(lo + d, top + 1)  # top + 1 stands for "past the limit"
+    else:  # step down likewise until one fits
+        hi, d = g, 1
+        while hi - d >= 1 and not ok(hi - d):
+            hi, d = hi - d, 2 * d
+        lo = max(hi - d, 0)  # 0 stands for "nothing fits"
+    while hi - lo > 1:  # invariant: lo fits (or is 0), hi does not (or is past the limit)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo * step, tried

@@ -131,11 +131,14 @@ def load_dataset(
     seed: int = 0,
     root: str | Path = DATA_ROOT,
     download: bool = False,
+    size: int = 32,
 ) -> Dataset:
     """A CIFAR-shaped dataset of normalised ``(image, label)`` pairs.
 
     ``shapes`` (default, offline): ``n`` images (8,000 train / 2,000 test by
-    default) drawn from ``seed``. ``cifar10``: read from ``root``; missing
+    default) drawn from ``seed``, ``size`` pixels square (32 as in CIFAR; a
+    smaller size draws the same scenes with fewer pixels, and costs a model
+    proportionally less compute). ``cifar10``: read from ``root``; missing
     files are an error unless ``download=True``. ``n`` keeps the first ``n``.
     """
     if split not in ("train", "test"):
@@ -143,9 +146,11 @@ def load_dataset(
     if name == "shapes":
         count = n or (8000 if split == "train" else 2000)
         # Train and test come from different seeds, so they share no image.
-        images, labels = make_shapes(count, seed=2 * seed + (split == "test"))
+        images, labels = make_shapes(count, seed=2 * seed + (split == "test"), size=size)
         return TensorDataset(normalize(images), labels)
     if name == "cifar10":
+        if size != 32:
+            raise ValueError(f"CIFAR-10's images are 32x32 pixels; size={size} applies to the shapes dataset only")
         return _cifar10(split, n, Path(root), download)
     raise ValueError(f"unknown dataset {name!r}: choose one of {', '.join(DATASETS)}")
 

@@ -2,10 +2,14 @@
 
 - ``GroupNorm``: the teaching version of ``torch.nn.GroupNorm`` (Wu & He 2018):
   statistics per sample and per group of channels, so no sample depends on its batch.
+- ``GhostBatchNorm2d``: BatchNorm whose statistics come from groups of ``group_size``
+  images of the batch, as on devices that each hold that many images ("ghost
+  batches", Hoffer et al. 2017); ``MABN2d(group_size=...)`` likewise.
 - ``MABN2d`` and ``CenConv2d``: Moving Average Batch Normalization (Yan et al.,
   ICLR 2020) and the weight-centralised convolution it is paired with;
   ``centralize_convs`` swaps a model's ``nn.Conv2d`` layers for ``CenConv2d``.
-- ``make_norm(kind, channels)``: the factory ``models.ResNet`` takes as ``norm_layer``.
+- ``make_norm(kind, channels)``: the factory ``models.ResNet`` takes as ``norm_layer``
+  (``group_size=g`` gives BN and MABN per-device statistics over groups of g images).
 - ``fold_norm`` / ``fold_model``: merge an eval-mode BN or MABN into the convolution before it.
 """
 
@@ -15,6 +19,7 @@ import copy
 from typing import Any, Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 NORM_KINDS = ("bn", "gn", "ln", "in", "mabn", "none")
@@ -53,6 +58,66 @@ class GroupNorm(nn.Module):
         return f"{self.num_groups}, {self.num_channels}, eps={self.eps}, affine={self.affine}"
 
 
+# ----- BatchNorm over per-device groups --------------------------------------------------
+
+
+def _split_groups(n: int, group_size: int | None, layer: str) -> int:
+    """How many groups of ``group_size`` images a batch of ``n`` holds (1 for ``None`` or ``n <= group_size``)."""
+    if group_size is None or n <= group_size:
+        return 1
+    if n % group_size:
+        raise ValueError(f"{layer}: a batch of {n} images does not split into groups of {group_size}; "
+                         "use a batch that is a multiple of group_size (drop_last=True in the loader)")
+    return n // group_size
+
+
+class GhostBatchNorm2d(nn.BatchNorm2d):
+    """``nn.BatchNorm2d`` whose training statistics come from groups of ``group_size`` consecutive images.
+
+    This is what data parallelism without synchronised BN computes (Goyal et al. 2017, Wu & He
+    2018): each of the N / g devices normalises its g images by their own mean and variance.
+    The running statistics follow device 0 (the first group), as a replica under
+    ``DistributedDataParallel`` does (it broadcasts device 0's buffers every step). Evaluation
+    uses them, so it folds like BN. The cost: two copies of the activations (a transpose puts the
+    groups into the channel axis, where PyTorch's fused ``batch_norm`` takes them, and back).
+    """
+
+    def __init__(self, num_features: int, group_size: int, **options: Any):
+        super().__init__(num_features, **options)
+        if group_size < 1:
+            raise ValueError(f"group_size must be at least 1 image, got {group_size}")
+        self.group_size = group_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 4 or x.shape[1] != self.num_features:
+            raise ValueError(f"GhostBatchNorm2d expects (N, {self.num_features}, H, W); got {tuple(x.shape)}")
+        n, c, h, w = x.shape
+        groups = _split_groups(n, self.group_size, "GhostBatchNorm2d") if self.training else 1
+        if groups == 1:
+            return super().forward(x)
+        g = n // groups
+        factor = 0.0
+        if self.track_running_stats:
+            self.num_batches_tracked.add_(1)
+            factor = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+        # (N, C, H, W) -> (g, G*C, H, W): channel k of group j becomes channel j*C + k, so one fused
+        # batch_norm computes every group's statistics over its g images and H*W positions.
+        xt = x.view(groups, g, c, h, w).transpose(0, 1).reshape(g, groups * c, h, w)
+        rm = self.running_mean.repeat(groups) if self.track_running_stats else None
+        rv = self.running_var.repeat(groups) if self.track_running_stats else None
+        weight = self.weight.repeat(groups) if self.affine else None
+        bias = self.bias.repeat(groups) if self.affine else None
+        y = F.batch_norm(xt, rm, rv, weight, bias, True, factor, self.eps)
+        if self.track_running_stats:
+            with torch.no_grad():  # keep device 0's update; the other groups' are dropped
+                self.running_mean.copy_(rm[:c])
+                self.running_var.copy_(rv[:c])
+        return y.view(g, groups, c, h, w).transpose(0, 1).reshape(n, c, h, w)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", group_size={self.group_size}"
+
+
 # ----- MABN ---------------------------------------------------------------------------
 
 
@@ -63,34 +128,41 @@ class MABNFunction(torch.autograd.Function):
     ``dx = (g - z * mean(g * z)) / s``. MABN replaces this batch's ``mean(g * z)`` by its simple
     moving average over the last m batches (``grad_buffer``), and treats ``r`` as a constant.
     With m = 1 and r = 1 this is exactly autograd's gradient. Saves only ``x``, as BN does.
+    ``inv_s`` and ``r`` are (G, C): one row per group of N / G consecutive images (one device's
+    share of the batch), each group with its own statistics and its own rows of ``grad_buffer``.
     """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, inv_s: torch.Tensor,
                 r: torch.Tensor, grad_buffer: torch.Tensor, slot: int, use_sma: bool) -> torch.Tensor:
-        shape = (1, -1) + (1,) * (x.dim() - 2)
+        groups, c = inv_s.shape
         ctx.save_for_backward(x, weight, inv_s, r)
         ctx.grad_buffer, ctx.slot, ctx.use_sma = grad_buffer, slot, use_sma
+        xg = x.view(groups, -1, *x.shape[1:])  # (G, N/G, C, H, W): a view, no copy
+        scale = (weight * r * inv_s).view(groups, 1, c, 1, 1).to(x.dtype)
         # one fused multiply-add: no centring, so the whole layer is a per-channel scale and shift
-        return torch.addcmul(bias.view(shape).to(x.dtype), x, (weight * r * inv_s).view(shape).to(x.dtype))
+        return torch.addcmul(bias.view(1, 1, c, 1, 1).to(x.dtype), xg, scale).view(x.shape)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
         x, weight, inv_s, r = ctx.saved_tensors
-        dims = [0] + list(range(2, x.dim()))
-        shape = (1, -1) + (1,) * (x.dim() - 2)
-        count = x.numel() // x.shape[1]  # values per channel in this batch
+        groups, c = inv_s.shape
+        count = x.numel() // (groups * c)  # values per channel in one group
         acc = torch.promote_types(x.dtype, torch.float32)  # reduce in at least float32 (bf16 under autocast)
-        gx_sum = (grad_out * x).sum(dims, dtype=acc)  # the one reduction over the activations it needs
-        scale = weight * r * inv_s  # dy/dx with the statistic held fixed
-        grad_weight = gx_sum * r * inv_s  # sum(grad_out * r * z)
-        grad_bias = grad_out.sum(dims, dtype=acc)
-        psi_g = gx_sum / count * scale  # this batch's mean(g * z), g = grad_out * weight * r
+        # the one reduction over the activations it needs: per image over (H, W), then per group
+        gx_sum = (grad_out * x).sum((2, 3), dtype=acc).view(groups, -1, c).sum(1)  # (G, C)
+        scale = weight * r * inv_s  # dy/dx with the statistic held fixed, (G, C)
+        grad_weight = (gx_sum * r * inv_s).sum(0)  # sum(grad_out * r * z) over every group
+        grad_bias = grad_out.sum((0, 2, 3), dtype=acc)
+        psi_g = gx_sum / count * scale  # each group's mean(g * z), g = grad_out * weight * r
         ctx.grad_buffer[ctx.slot] = psi_g
         psi_g_used = ctx.grad_buffer.mean(0) if ctx.use_sma else psi_g
-        # dx = (g - z * psi_g) / s  =  grad_out * scale - x * psi_g / s^2
-        grad_x = grad_out * scale.view(shape).to(x.dtype) - x * (psi_g_used * inv_s**2).view(shape).to(x.dtype)
-        return grad_x, grad_weight.to(weight.dtype), grad_bias.to(weight.dtype), None, None, None, None, None
+        # dx = (g - z * psi_g) / s  =  grad_out * scale - x * psi_g / s^2, group by group
+        shape = (groups, 1, c, 1, 1)
+        go, xg = grad_out.view(groups, -1, *x.shape[1:]), x.view(groups, -1, *x.shape[1:])
+        grad_x = go * scale.view(shape).to(x.dtype) - xg * (psi_g_used * inv_s**2).view(shape).to(x.dtype)
+        return (grad_x.view(x.shape), grad_weight.to(weight.dtype), grad_bias.to(weight.dtype),
+                None, None, None, None, None)
 
 
 class MABN2d(nn.Module):
@@ -112,22 +184,32 @@ class MABN2d(nn.Module):
     A training-mode forward must be followed by its backward before the next one (as in ``fit``); like
     BN's running statistics, the buffers advance on every training-mode forward, so a forward re-run by
     activation checkpointing (chapter 05) advances them twice.
+
+    ``group_size=g`` splits each training batch into groups of g consecutive images, one per
+    simulated device: each group keeps its own SMA buffers (its own rows of ``stat_buffer`` and
+    ``grad_buffer``, shaped (m, N/g, C) from the first training batch on), as a device that keeps
+    its buffers to itself does. ``running_var``, which evaluation uses, follows device 0's SMA, and
+    every group renormalises towards it.
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.98, buffer_size: int = 16,
-                 warmup_steps: int = 100, renorm_warmup: int = 1000, clip: float = 5.0):
+                 warmup_steps: int = 100, renorm_warmup: int = 1000, clip: float = 5.0,
+                 group_size: int | None = None):
         super().__init__()
         if num_features <= 0 or buffer_size < 1 or not 0 <= momentum < 1 or clip < 1:
             raise ValueError(f"MABN2d needs num_features > 0 (got {num_features}), buffer_size >= 1 "
                              f"(got {buffer_size}), 0 <= momentum < 1 (got {momentum}), clip >= 1 (got {clip})")
+        if group_size is not None and group_size < 1:
+            raise ValueError(f"group_size must be None or at least 1 image, got {group_size}")
         self.num_features, self.eps, self.momentum, self.clip = num_features, eps, momentum, clip
         self.buffer_size, self.warmup_steps, self.renorm_warmup = buffer_size, warmup_steps, renorm_warmup
+        self.group_size = group_size
         self.weight = nn.Parameter(torch.ones(num_features))
         self.bias = nn.Parameter(torch.zeros(num_features))
-        # Buffers, so .to(device) and state_dict carry them; (m, C) each: 2 * m * C floats per layer.
+        # Buffers, so .to(device) and state_dict carry them; (m, G, C) each: 2 * m * G * C floats per layer.
         self.register_buffer("running_var", torch.ones(num_features))
-        self.register_buffer("stat_buffer", torch.zeros(buffer_size, num_features))
-        self.register_buffer("grad_buffer", torch.zeros(buffer_size, num_features))
+        self.register_buffer("stat_buffer", torch.zeros(buffer_size, 1, num_features))
+        self.register_buffer("grad_buffer", torch.zeros(buffer_size, 1, num_features))
         self.step = 0  # a Python int (saved as extra state), so the GPU never syncs to read it
 
     def get_extra_state(self) -> dict:
@@ -136,32 +218,54 @@ class MABN2d(nn.Module):
     def set_extra_state(self, state: dict) -> None:
         self.step = int(state["step"])
 
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any, **kwargs: Any) -> None:
+        # A checkpoint of a model trained with groups carries (m, G, C) buffers: take their shape.
+        for name in ("stat_buffer", "grad_buffer"):
+            saved, own = state_dict.get(prefix + name), getattr(self, name)
+            if saved is not None and saved.shape != own.shape:
+                setattr(self, name, own.new_zeros(saved.shape))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _groups(self, n: int) -> int:
+        """The batch's number of groups; sizes the buffers on the first training batch."""
+        groups = _split_groups(n, self.group_size, "MABN2d")
+        if self.stat_buffer.shape[1] != groups:
+            if self.step:
+                raise ValueError(f"MABN2d has buffers for {self.stat_buffer.shape[1]} group(s) of images, but this "
+                                 f"batch of {n} makes {groups}: keep the training batch size fixed")
+            self.stat_buffer = self.stat_buffer.new_zeros(self.buffer_size, groups, self.num_features)
+            self.grad_buffer = self.grad_buffer.new_zeros(self.buffer_size, groups, self.num_features)
+        return groups
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 4 or x.shape[1] != self.num_features:
             raise ValueError(f"MABN2d expects (N, {self.num_features}, H, W); got {tuple(x.shape)}")
         if not self.training:  # a fixed per-channel scale and shift: foldable into the conv
             scale = self.weight * torch.rsqrt(self.running_var + self.eps)
             return torch.addcmul(self.bias.view(1, -1, 1, 1), x, scale.view(1, -1, 1, 1))
+        groups = self._groups(x.shape[0])
         slot = self.step % self.buffer_size
         use_sma = self.step >= max(self.warmup_steps, self.buffer_size - 1)  # buffer full from step m-1
         with torch.no_grad():
             acc = torch.promote_types(x.dtype, torch.float32)  # at least float32, also under bf16 autocast
-            chi = x.detach().pow(2).mean((0, 2, 3), dtype=acc)  # this batch's second moment, per channel
+            # this batch's second moment per group and channel: per image over (H, W), then per group
+            chi = x.detach().pow(2).mean((2, 3), dtype=acc).view(groups, -1, self.num_features).mean(1)
             self.stat_buffer[slot] = chi
-            psi = self.stat_buffer.mean(0) if use_sma else chi
+            psi = self.stat_buffer.mean(0) if use_sma else chi  # (G, C)
             inv_s = torch.rsqrt(psi + self.eps)
             if self.step >= self.renorm_warmup:
                 r = torch.sqrt(psi + self.eps) * torch.rsqrt(self.running_var + self.eps)
                 r = r.clamp(1 / self.clip, self.clip)
             else:
                 r = torch.ones_like(psi)
-            self.running_var.mul_(self.momentum).add_(psi, alpha=1 - self.momentum)
+            self.running_var.mul_(self.momentum).add_(psi[0], alpha=1 - self.momentum)  # device 0's
         self.step += 1
         return MABNFunction.apply(x, self.weight, self.bias, inv_s, r, self.grad_buffer, slot, use_sma)
 
     def extra_repr(self) -> str:
         return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, buffer_size={self.buffer_size}, "
-                f"warmup_steps={self.warmup_steps}, renorm_warmup={self.renorm_warmup}, clip={self.clip}")
+                f"warmup_steps={self.warmup_steps}, renorm_warmup={self.renorm_warmup}, clip={self.clip}"
+                + (f", group_size={self.group_size}" if self.group_size is not None else ""))
 
 
 class CenConv2d(nn.Conv2d):
@@ -221,10 +325,14 @@ def gn_groups(channels: int, channels_per_group: int = 4, max_groups: int = 32) 
 def make_norm(kind: str, channels: int, **options: Any) -> nn.Module:
     """A normalisation layer for ``channels`` channels: ``bn``, ``gn``, ``ln``, ``in``, ``mabn`` or ``none``.
 
-    ``options`` go to the layer (``groups=`` for ``gn``; ``buffer_size=`` etc. for ``mabn``). LN and
-    IN are GroupNorm with one group and with one channel per group, as in Wu & He (2018).
+    ``options`` go to the layer (``groups=`` for ``gn``; ``buffer_size=`` etc. for ``mabn``;
+    ``group_size=`` for ``bn``, a ``GhostBatchNorm2d``, and ``mabn``). LN and IN are GroupNorm
+    with one group and with one channel per group, as in Wu & He (2018).
     """
     if kind == "bn":
+        group_size = options.pop("group_size", None)
+        if group_size is not None:
+            return GhostBatchNorm2d(channels, group_size, **options)
         return nn.BatchNorm2d(channels, **options)
     if kind == "gn":
         return nn.GroupNorm(options.pop("groups", gn_groups(channels)), channels, **options)

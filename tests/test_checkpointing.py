@@ -12,8 +12,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint_sequential
 from course_lib import memory
 from course_lib.checkpointing import (ATTENTION_OPS, LINEAR_OPS, Checkpointed, best_segments, chain,
                                       checkpoint_blocks, checkpointed_sequential, chen_peak_units,
-                                      count_forward_calls, fastest_times, recomputed_blocks, save_ops_policy,
-                                      segment_plan)
+                                      count_forward_calls, fastest_times, fit_parabola, longest_fitting,
+                                      predict_longest, recomputed_blocks, save_ops_policy, segment_plan)
 from course_lib.models import TinyTransformer, lm_loss
 
 
@@ -203,6 +203,61 @@ def test_fastest_times():
     assert set(times) == {"a", "b"} and all(t >= 0 for t in times.values())
     with pytest.raises(ValueError):
         fastest_times({"a": lambda: None}, repeats=0)
+
+
+def test_fastest_times_with_another_clock():
+    ticks = iter(range(100))
+    times = fastest_times({"a": lambda: None}, repeats=2, clock=lambda: next(ticks) * 0.5)
+    assert times == {"a": 0.5}  # each run reads the clock twice, one tick apart
+
+
+def test_fastest_times_on_a_given_number_of_threads():
+    before = torch.get_num_threads()
+    seen = []
+    fastest_times({"a": lambda: seen.append(torch.get_num_threads())}, repeats=2, threads=1)
+    assert seen == [1, 1, 1] and torch.get_num_threads() == before  # restored afterwards
+
+
+# ----- the longest sequence that fits --------------------------------------------------
+
+
+def test_fit_parabola_and_predict_longest():
+    peak = lambda t: 1000 + 30 * t + 0.5 * t * t  # noqa: E731
+    assert fit_parabola([10, 20, 40], [peak(10), peak(20), peak(40)]) == pytest.approx((1000, 30, 0.5))
+    budget = peak(300) + 1  # the parabola reaches the budget just past T = 300
+    assert predict_longest([10, 20, 40], [peak(10), peak(20), peak(40)], budget) == 300
+    assert predict_longest([10, 20, 40], [peak(10), peak(20), peak(40)], budget, step=16) == 288
+    line = lambda t: 100 + 4 * t  # noqa: E731
+    assert predict_longest([1, 2, 3], [line(1), line(2), line(3)], line(50)) == 50
+    assert predict_longest([10, 20, 40], [peak(10), peak(20), peak(40)], 999) == 0  # not even T = 0 fits
+    with pytest.raises(ValueError, match="three different lengths"):
+        predict_longest([10, 10, 20], [1, 2, 3], 100)
+    with pytest.raises(ValueError, match="do not grow"):
+        predict_longest([1, 2, 3], [5, 5, 5], 100)
+
+
+@pytest.mark.parametrize("guess", [0, 16, 500, 992, 1008, 3000, 9999])
+def test_longest_fitting_searches_from_the_guess(guess):
+    calls = []
+
+    def fits(t: int) -> bool:
+        calls.append(t)
+        return t <= 1000
+
+    length, tried = longest_fitting(fits, guess, step=16, limit=4096)
+    assert length == 992 and tried == calls and len(set(calls)) == len(calls)
+    assert 992 in tried and 1008 in tried  # the boundary itself was measured
+    assert all(t % 16 == 0 and 16 <= t <= 4096 for t in tried)
+    if guess == 992:
+        assert tried == [992, 1008]  # a right guess costs two calls
+    assert len(tried) <= 2 * math.ceil(math.log2(4096 / 16)) + 2
+
+
+def test_longest_fitting_at_the_ends():
+    assert longest_fitting(lambda t: True, 64, step=16, limit=200)[0] == 192  # everything up to the limit fits
+    assert longest_fitting(lambda t: False, 64, step=16, limit=200)[0] == 0  # nothing fits
+    with pytest.raises(ValueError):
+        longest_fitting(lambda t: True, 64, step=16, limit=8)
 
 
 def test_chain_rejects_bad_sizes():

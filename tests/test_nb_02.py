@@ -6,15 +6,27 @@ from conftest import notebook_claims
 def test_batch_size_claims():
     c = notebook_claims("02")
     # throughput grows with the batch, and 4x more batch gains less at the large end than at the small end
+    # (measured in interleaved rounds, fastest of each; on a CPU in one thread's CPU time, which other processes
+    # do not inflate)
+    assert c["ch02/throughput_clock"] in ("CPU time, 1 thread", "wall clock")
     assert c["ch02/throughput_max_over_batch1"] > 2
     assert c["ch02/throughput_gain_largest_4x"] < c["ch02/throughput_gain_smallest_4x"]
     # the estimator's largest batch really fits, and one more sample does not
     assert c["ch02/max_batch_estimated"] >= 1
     assert c["ch02/max_batch_measured_fits"] is True
     assert c["ch02/max_batch_plus_one_exceeds"] is True
-    # the loader was timed with and without workers (a timing: recorded, not asserted; on a busy machine
-    # two workers can even be slower, which the notebook explains)
-    assert c["ch02/loader_speedup_2_workers"] > 0 and c["ch02/loader_over_train_0_workers"] > 0
+
+
+def test_loader_claims():
+    c = notebook_claims("02")
+    # Two workers against the main process at one thread (as each worker runs) can at most double the rate: a
+    # loose bound (timings), which a measurement that compares unlike things (the old 11x) breaks.
+    assert 0 < c["ch02/loader_speedup_2_workers"] < min(2, c["ch02/cpu_count"]) + 1
+    assert c["ch02/loader_over_train_0_workers"] > 0 and c["ch02/loader_threads_over_one_thread"] > 0
+
+
+def test_warmup_claims(profile):
+    c = notebook_claims("02")
     # linear scaling rule on a CNN without normalisation: batch 16 at lr 0.01 against batch 128 at lr 0.08, with and
     # without warmup. At smoke (2,048 images, 6 epochs, one seed; chance is a test error of 0.9) the mechanism holds:
     # the small batch learns (measured 0.45). Each threshold below held for seeds 0, 1 and 2 at smoke, not only seed 0.
@@ -28,9 +40,31 @@ def test_batch_size_claims():
     assert c["ch02/warmup_max_loss"] <= 1.2 * c["ch02/large_batch_first_loss"]
     assert c["ch02/warmup_test_error"] < 0.8
     assert c["ch02/warmup_gap_closed"] > 0.25
-    # That warmup brings the large batch close to the small one (most of the gap closed, mean over three seeds) holds
-    # at the cpu profile only (8,000 images): recorded there and quoted in the notebook, not asserted at smoke, where
-    # the large batch's 96 steps are too few to catch up.
-    # the gradient noise scale: positive in every repeat, with a finite spread
+    if profile == "smoke":  # one seed and 96 large-batch steps: the rest needs the cpu profile
+        return
+    # at cpu, over three seeds (4,000 images, 6 epochs; measured 0.30 / 0.89 / 0.41 mean test error):
+    # beyond the seed spread, every seed without warmup ended worse than every warmed-up seed and than every
+    # small-batch seed; each run without warmup climbed above its first loss, no warmed-up run by more than 20%;
+    # and warmup removed most of the gap (measured 81%)
+    assert c["ch02/lr_seeds"] >= 3
+    assert c["ch02/no_warmup_min_over_warmup_max"] > 0
+    assert min(c["ch02/no_warmup_test_error_per_seed"]) > max(c["ch02/small_batch_test_error_per_seed"])
+    ratios = c["ch02/max_loss_over_first"]
+    assert min(ratios["no_warmup"]) > 1.2 and max(ratios["warmup"]) <= 1.2
+    assert c["ch02/warmup_gap_closed"] > 0.5
+
+
+def test_noise_scale_claims():
+    c = notebook_claims("02")
+    init, trained = c["ch02/noise_scale_init"], c["ch02/noise_scale_trained"]
+    # by definition (per-sample gradients): small at initialisation, below the small batch of 16 (measured 3.8),
+    # and it grows with training (measured 131 at cpu): the true gradient shrinks, the per-sample noise does not
+    assert 0 < init < 16 < trained
+    # so the best rate grows far less than 8x from batch 16 to 128 at the start (measured 1.2), more after training
+    assert c["ch02/best_lr_ratio_init"] < 2 < c["ch02/best_lr_ratio_trained"] < 8
+    # the paper's two-batch estimator: positive in every repeat, and within twice its spread of the definition
     assert c["ch02/noise_scale_all_positive"] is True
-    assert c["ch02/noise_scale_mean"] > 0 and math.isfinite(c["ch02/noise_scale_std"])
+    for direct, two in ((init, c["ch02/noise_scale_two_batch_init"]), (trained, c["ch02/noise_scale_two_batch_trained"])):
+        mean = sum(two) / len(two)
+        std = (sum((e - mean) ** 2 for e in two) / (len(two) - 1)) ** 0.5
+        assert math.isfinite(std) and abs(mean - direct) < 2 * std + 0.1 * direct

@@ -221,6 +221,79 @@ def test_mabn_bad_arguments():
         norms.MABN2d(4)(torch.randn(2, 3, 4, 4))
 
 
+# ----- per-device groups: ghost batches ---------------------------------------------------
+
+
+def _split_run(grouped: nn.Module, singles: list[nn.Module], x: torch.Tensor, up: torch.Tensor, g: int):
+    """Outputs and input gradients of ``grouped`` on the whole batch and of ``singles[j]`` on group j alone."""
+    x = x.clone().requires_grad_()
+    y = grouped(x)
+    y.backward(up)
+    ys, gxs = [], []
+    for j, single in enumerate(singles):
+        xj = x.detach()[j * g:(j + 1) * g].clone().requires_grad_()
+        yj = single(xj)
+        yj.backward(up[j * g:(j + 1) * g])
+        ys.append(yj.detach())
+        gxs.append(xj.grad)
+    return y.detach(), x.grad, torch.cat(ys), torch.cat(gxs)
+
+
+@pytest.mark.parametrize("g", [1, 2, 4, 8])
+def test_ghost_batch_norm_is_batch_norm_on_each_group_with_device_0_running_stats(g):
+    torch.manual_seed(0)
+    ghost = norms.make_norm("bn", 3, group_size=g).double()
+    assert isinstance(ghost, norms.GhostBatchNorm2d) and isinstance(ghost, nn.BatchNorm2d)
+    with torch.no_grad():
+        ghost.weight.uniform_(0.5, 1.5), ghost.bias.normal_()
+    singles = [copy.deepcopy(nn.BatchNorm2d(3).double()) for _ in range(8 // g)]
+    for single in singles:
+        single.load_state_dict(ghost.state_dict())
+    for _ in range(3):  # running statistics accumulate over steps
+        x, up = torch.randn(8, 3, 4, 5, dtype=torch.float64) * 2 + 1, torch.randn(8, 3, 4, 5, dtype=torch.float64)
+        y, gx, y_ref, gx_ref = _split_run(ghost, singles, x, up, g)
+        assert torch.allclose(y, y_ref, atol=1e-12) and torch.allclose(gx, gx_ref, atol=1e-12)
+    assert torch.allclose(ghost.running_mean, singles[0].running_mean, atol=1e-12)  # device 0's, not the mean
+    assert torch.allclose(ghost.running_var, singles[0].running_var, atol=1e-12)
+    assert int(ghost.num_batches_tracked) == 3
+    ghost.eval()  # evaluation: plain BN with those statistics, so it folds
+    x = torch.randn(5, 3, 4, 4, dtype=torch.float64)
+    assert torch.allclose(ghost(x), singles[0].eval()(x), atol=1e-12)
+
+
+def test_ghost_batch_norm_needs_whole_groups():
+    ghost = norms.make_norm("bn", 3, group_size=4)
+    assert ghost(torch.randn(3, 3, 2, 2)).shape == (3, 3, 2, 2)  # a batch no larger than a group: one group
+    with pytest.raises(ValueError, match="groups of 4"):
+        ghost(torch.randn(6, 3, 2, 2))
+    with pytest.raises(ValueError, match="group_size"):
+        norms.GhostBatchNorm2d(3, group_size=0)
+
+
+def test_grouped_mabn_keeps_each_groups_moving_averages():
+    torch.manual_seed(0)
+    g, groups = 2, 4
+    grouped = _mabn(3, buffer_size=3, warmup_steps=0, renorm_warmup=4, clip=1.5, group_size=g)
+    singles = [copy.deepcopy(grouped) for _ in range(groups)]
+    for single in singles:
+        single.group_size = None  # one layer per device, each on its own g images
+    for step in range(6):  # past the buffer's fill and the renormalisation warm-up
+        x, up = torch.randn(g * groups, 3, 4, 4, dtype=torch.float64), torch.randn(g * groups, 3, 4, 4, dtype=torch.float64)
+        y, gx, y_ref, gx_ref = _split_run(grouped, singles, x, up, g)
+        if step < 4:  # before renormalisation every device is exactly a layer of its own
+            assert torch.allclose(y, y_ref, atol=1e-12) and torch.allclose(gx, gx_ref, atol=1e-12)
+    assert grouped.stat_buffer.shape == (3, groups, 3) and grouped.grad_buffer.shape == (3, groups, 3)
+    for j, single in enumerate(singles):
+        assert torch.allclose(grouped.stat_buffer[:, j], single.stat_buffer[:, 0], atol=1e-12)
+    # evaluation statistic: device 0's EMA; renormalisation pulls every device towards it
+    assert torch.allclose(grouped.running_var, singles[0].running_var, atol=1e-12)
+    b = norms.MABN2d(3, buffer_size=3, group_size=g)
+    b.load_state_dict(grouped.state_dict())  # a checkpoint brings its groups' buffers along
+    assert torch.equal(b.stat_buffer, grouped.stat_buffer.float())
+    with pytest.raises(ValueError, match="keep the training batch size fixed"):
+        grouped(torch.randn(4, 3, 4, 4, dtype=torch.float64))
+
+
 # ----- weight centralisation -----------------------------------------------------------
 
 
