@@ -46,8 +46,13 @@ def test_failing_worker_raises_with_its_log(tmp_path: Path):
     assert "fails on purpose" in msg, "the error should carry the tail of the failing rank's log"
 
 
+def _live_children() -> set[psutil.Process]:
+    return {p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE}
+
+
 def test_hanging_worker_times_out_and_leaves_nothing(tmp_path: Path):
     timeout = 20.0
+    before = _live_children()  # earlier tests may leave helpers of their own (multiprocessing's resource tracker)
     start = time.monotonic()
     with pytest.raises(TimeoutError):
         launch.run(WORKER, 2, ["--mode", "hang", "--pid-dir", str(tmp_path)], timeout=timeout,
@@ -59,8 +64,8 @@ def test_hanging_worker_times_out_and_leaves_nothing(tmp_path: Path):
     assert {"rank0", "rank1"} <= set(pids), f"the workers never started in {timeout} s: {pids}"
     left = {name: pid for name, pid in pids.items() if _alive(pid)}
     assert not left, f"processes left behind after the timeout: {left}"
-    children = [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
-    assert not children, f"the test process still has children: {children}"
+    children = _live_children() - before
+    assert not children, f"the launch left children of the test process: {children}"
 
 
 def test_mismatched_collective_is_an_error_not_a_hang(tmp_path: Path):
