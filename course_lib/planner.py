@@ -273,7 +273,8 @@ class LmHead:
 
 def lm_head(model: nn.Module, sample_shape: tuple[int, ...], loss_fn: LossFn | None = None) -> LmHead | None:
     """What ``LmHead`` says of ``model`` and its loss, or None when ``transformer_loss`` cannot chunk it."""
-    head, out = getattr(model, "head", None), getattr(getattr(model, "head", None), "out", None)
+    head = getattr(model, "head", None)
+    out = getattr(head, "out", None)
     if (loss_fn not in (None, lm_loss) or len(sample_shape) != 1 or not isinstance(out, nn.Linear)
             or not isinstance(getattr(head, "ln", None), nn.LayerNorm) or not hasattr(model, "embed")
             or not isinstance(getattr(model, "blocks", None), nn.Sequential)):
