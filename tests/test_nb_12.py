@@ -115,5 +115,5 @@ def test_chapter_11_options_fit_long_sequences(c: dict, profile: str) -> None:
     assert c["ch12/c11_measured_over_budget"] <= 1.0
     assert 0.8 <= c["ch12/c11_measured_over_predicted"] <= 1.03
     # the same micro-batches without chapter 11's options do not fit, measured and predicted alike
-    assert c["ch12/c11_without_measured_over_budget"] > 1.0
+    assert c["ch12/c11_without_measured_over_budget"] > 1.0 and c["ch12/c11_without_predicted_over_budget"] > 1.0
     assert 0.8 <= c["ch12/c11_without_measured_over_predicted"] <= 1.03
