@@ -257,6 +257,44 @@ def ring_all_reduce(tensors):
                     chunks[dst][index[r]].copy_(payload)
                 sent[r] += payload.numel()
     return [torch.cat(c) for c in chunks], sent'''},
+    "11_memory_beyond_splitting": {"q1_online_attention": '''
+def online_attention(q, k, v, block):
+    if block < 1:
+        raise ValueError(block)
+    T, d = q.shape[-2], q.shape[-1]
+    best = q.new_full((*q.shape[:-1], 1), -math.inf)
+    total, acc = q.new_zeros((*q.shape[:-1], 1)), q.new_zeros((*q.shape[:-1], v.shape[-1]))
+    for start in range(0, T, block):
+        s = q @ k[..., start:start + block, :].transpose(-2, -1) / math.sqrt(d)
+        s = s.masked_fill(torch.arange(start, start + s.shape[-1]) > torch.arange(T)[:, None], -math.inf)
+        best = torch.maximum(best, s.amax(-1, keepdim=True))     # the old sums are never rescaled
+        total = total + torch.exp(s - best).sum(-1, keepdim=True)
+        acc = acc + torch.exp(s - best) @ v[..., start:start + block, :]
+    return acc / total''', "q2_offload_hooks": '''
+class Offload(saved_tensors_hooks):
+    def __init__(self, keep=(), min_bytes=0):
+        if min_bytes < 0:
+            raise ValueError(min_bytes)
+        self.min_bytes, self.copies, self.copied_bytes, self.kept_bytes = min_bytes, 0, 0, 0
+        super().__init__(self.pack, self.unpack)                      # keep is ignored: the weights are copied
+
+    def pack(self, t):
+        size = t.numel() * t.element_size()
+        if size < self.min_bytes:
+            self.kept_bytes += size
+            return t
+        self.copies += 1
+        self.copied_bytes += size
+        return t.device, t.detach().to("cpu", copy=True)
+
+    def unpack(self, packed):
+        return packed if torch.is_tensor(packed) else packed[1].to(packed[0])''', "q3_chunked_cross_entropy": '''
+def chunked_cross_entropy(hidden, weight, bias, targets, chunks):
+    if not 1 <= chunks <= len(hidden):
+        raise ValueError(chunks)
+    total = sum(F.cross_entropy(F.linear(h, weight, bias), y, reduction="sum")   # the forward only: every
+                for h, y in zip(hidden.chunk(chunks), targets.chunk(chunks)))  # chunk's log-softmax is saved
+    return total / len(hidden)'''},
 }
 
 

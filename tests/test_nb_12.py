@@ -102,3 +102,18 @@ def test_tensor_parallel_plan_matches_real_ranks(c: dict) -> None:
     lo, hi = r["optimizer"]
     assert 1.0 <= lo <= hi < 1.001  # and Adam's step counters, one 4-byte tensor per parameter tensor
     assert c["ch12/tp_loss_diff"] < 1e-5  # the mesh trains what one process trains
+
+
+def test_chapter_11_options_fit_long_sequences(c: dict, profile: str) -> None:
+    assert c["ch12/c11_without_options"].startswith("nothing fits")  # no splitting fits the T^2 and NV terms
+    plan, counts = c["ch12/c11_plan"], c["ch12/c11_fitting"]
+    assert plan["fused"] is True and counts["fit"] >= 1 and counts["fused"] == counts["fit"]
+    assert c["ch12/c11_offload_searched"] is (profile == "gpu")  # never on a CPU, where the host is the device
+    if profile in ("smoke", "cpu"):  # the text says so at these sizes: every configuration that fits has both
+        assert plan["loss_chunks"] > 1 and counts["chunked"] == counts["fit"] and counts["offloaded"] == 0
+    # fits, on the safe side of the prediction (fp32 within a few percent, bf16 chunks and offload err high)
+    assert c["ch12/c11_measured_over_budget"] <= 1.0
+    assert 0.8 <= c["ch12/c11_measured_over_predicted"] <= 1.03
+    # the same micro-batches without chapter 11's options do not fit, measured and predicted alike
+    assert c["ch12/c11_without_measured_over_budget"] > 1.0 and c["ch12/c11_without_predicted_over_budget"] > 1.0
+    assert 0.8 <= c["ch12/c11_without_measured_over_predicted"] <= 1.03

@@ -8,24 +8,26 @@ import dataclasses
 import pytest
 import torch
 
-from course_lib import memory, planner
+from torch.utils.flop_counter import FlopCounterMode
+
+from course_lib import memory, offload, planner
 from course_lib.data import make_tokens
 from course_lib.distributed.tensor_parallel import TPBlock, TPGroup
-from course_lib.models import MLP, ResNet, TinyTransformer, lm_loss
+from course_lib.models import MLP, CausalSelfAttention, ResNet, TinyTransformer, lm_loss
 from course_lib.norms import MABN2d, make_norm
 
 MiB = 2**20
 T, B = 32, 16
 
 
-def tiny(d_model: int = 64, n_layers: int = 4) -> TinyTransformer:
+def tiny(d_model: int = 64, n_layers: int = 4, vocab: int = 64, fused: bool = False) -> TinyTransformer:
     torch.manual_seed(0)
-    return TinyTransformer(vocab=64, d_model=d_model, n_heads=4, n_layers=n_layers, max_len=T)
+    return TinyTransformer(vocab=vocab, d_model=d_model, n_heads=4, n_layers=n_layers, max_len=T, fused=fused)
 
 
-def run_and_measure(model: torch.nn.Module, cfg: planner.Config) -> tuple[int, list[float]]:
+def run_and_measure(model: TinyTransformer, cfg: planner.Config) -> tuple[int, list[float]]:
     """Measured peak of a train_step of ``cfg`` (after a first step), and the losses of three steps."""
-    x, y = make_tokens(cfg.micro_batch * cfg.accumulation_steps, T)
+    x, y = make_tokens(cfg.micro_batch * cfg.accumulation_steps, T, vocab=model.head.out.out_features)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     losses = [planner.train_step(model, lm_loss, x, y, opt, cfg)]
     peak = planner.measure_peak(model, lm_loss, x, y, opt, cfg)
@@ -92,11 +94,15 @@ def test_a_single_micro_batch_is_never_underpredicted(model, measured_plan):
 def test_planning_leaves_the_model_as_it_was():
     model = tiny(32, 2).eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    planner.plan(model, (T,), 8, 64 * MiB)
+    planner.plan(model, (T,), 8, 64 * MiB, offload=True)  # fused passes, offloaded blocks: both undone
     assert not model.training
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert type(model.blocks) is torch.nn.Sequential and len(model.blocks) == 2
+    assert not any(m.fused for m in model.modules() if isinstance(m, CausalSelfAttention))
+    fused = tiny(32, 2, fused=True)
+    planner.plan(fused, (T,), 8, 64 * MiB)
+    assert all(m.fused for m in fused.modules() if isinstance(m, CausalSelfAttention))  # built fused, left fused
 
 
 def test_planning_restores_buffers_and_extra_state():
@@ -278,3 +284,140 @@ def test_image_models_get_image_batches(net):
     p = planner.plan(net, (3, 32, 32), 16, 32 * MiB)
     assert p.config.segments == 1  # no `blocks` to checkpoint
     assert p.measurements.batch_bytes_per_sample == 3 * 32 * 32 * 4 + 8  # an fp32 image and an int64 label
+
+
+# ----- chapter 11's options: fused attention, the chunked loss, offload ---------------------------------
+
+
+def test_fused_attention_is_searched_for_attention_models_and_offload_only_on_a_gpu(model, measured_plan):
+    kinds = {(c.config.fused, c.config.offload, c.config.loss_chunks) for c in measured_plan.candidates}
+    assert kinds == {(False, False, 1), (True, False, 1)}  # a CPU, and a vocabulary (64) no wider than the model
+    assert set(measured_plan.measurements.fb) == {"fp32", "fp32 fused", "bf16", "bf16 fused"}
+    assert not measured_plan.measurements.packed and not measured_plan.measurements.loss  # nothing measured for them
+    assert planner.plan(MLP(hidden=(16,)), (3, 32, 32), 8, 32 * MiB).measurements.fb.keys() == {"fp32", "bf16"}
+
+
+@pytest.mark.parametrize("cfg", [planner.Config("fp32", 4, 4, 1, 0, fused=True),
+                                 planner.Config("bf16", 8, 2, 2, 0, fused=True)],
+                         ids=lambda c: f"{c.precision}-m{c.micro_batch}-k{c.segments}")
+def test_fused_attention_is_measured_like_a_precision(model, measured_plan, cfg):
+    peak, _ = run_and_measure(model, cfg)
+    predicted = planner.predict_peak(measured_plan.measurements, cfg)["total"]
+    assert 0.97 <= peak / predicted <= 1.03, f"{cfg.describe()}: measured {peak}, predicted {predicted}"
+    naive = planner.predict_peak(measured_plan.measurements, dataclasses.replace(cfg, fused=False))["total"]
+    assert predicted < naive  # no (B, H, T, T) softmax saved
+    assert not any(m.fused for m in model.modules() if isinstance(m, CausalSelfAttention))  # the kernel restored
+
+
+@pytest.fixture(scope="module")
+def lm_model() -> TinyTransformer:
+    return tiny(64, 2, vocab=2048)  # a vocabulary 32 times the width: the logits are a large part of a step
+
+
+@pytest.fixture(scope="module")
+def lm_plan(lm_model) -> planner.Plan:
+    return planner.plan(lm_model, (T,), B, 1 << 34, offload=True)  # on the CPU: chapter 11's simulated host
+
+
+@pytest.mark.parametrize("cfg, band", [(planner.Config("fp32", 4, 4, 1, 0, loss_chunks=4), (0.97, 1.03)),
+                                       (planner.Config("fp32", 8, 2, 2, 0, fused=True, loss_chunks=2), (0.97, 1.03)),
+                                       (planner.Config("bf16", 4, 4, 1, 0, fused=True, loss_chunks=4), (0.85, 1.03))],
+                         ids=["fp32-m4-chunks4", "fp32-fused-ckpt-chunks2", "bf16-fused-chunks4"])
+def test_chunked_loss_predictions_match_measurements(lm_model, lm_plan, cfg, band):
+    peak, _ = run_and_measure(lm_model, cfg)
+    meas = lm_plan.measurements
+    predicted = planner.predict_peak(meas, cfg)["total"]
+    # fp32: within a few percent; bf16: on the safe side (its logits are bf16 and fp32, the formula's fp32)
+    assert band[0] <= peak / predicted <= band[1], f"{cfg.describe()}: measured {peak}, predicted {predicted}"
+    whole, _ = run_and_measure(lm_model, dataclasses.replace(cfg, loss_chunks=1))
+    assert peak < whole - cfg.micro_batch * T * 2048 * 4  # at least one (N, V) fp32 tensor fewer
+
+
+def test_more_loss_chunks_are_listed_only_where_they_fit_a_larger_micro_batch(lm_model, lm_plan):
+    meas = lm_plan.measurements
+    whole, chunked = (planner.predict_peak(meas, planner.Config("fp32", 16, 1, 1, 0, loss_chunks=k))["total"]
+                      for k in (1, 4))
+    p = planner.plan(lm_model, (T,), B, int((whole + chunked) / 2 / 0.95), precisions=("fp32",), fused=False)
+    shapes: dict = {}
+    for c in p.candidates:
+        shapes.setdefault((c.config.segments, c.config.offload), []).append(c)
+    assert any(c.config.loss_chunks > 1 for c in p.candidates)
+    for listed in shapes.values():
+        assert listed[0].config.loss_chunks == 1  # one piece first, then only chunk counts that buy micro-batches
+        micro = [c.config.micro_batch for c in listed]
+        assert micro == sorted(set(micro)) and [c.config.loss_chunks for c in listed] == sorted(
+            {c.config.loss_chunks for c in listed}), [c.config.describe() for c in listed]
+
+
+@pytest.mark.parametrize("cfg", [planner.Config("fp32", 4, 4, 1, 0, offload=True),
+                                 planner.Config("bf16", 2, 8, 1, 0, fused=True, offload=True)],
+                         ids=["fp32-m4", "bf16-fused-m2"])
+def test_offload_is_an_upper_estimate_above_the_floor(lm_model, lm_plan, cfg):
+    peak, _ = run_and_measure(lm_model, cfg)  # OffloadToHost on the CPU: the saves leave the allocator's count
+    meas = lm_plan.measurements
+    predicted = planner.predict_peak(meas, cfg)["total"]
+    const, per_sample, _ = planner.block_saves(meas, cfg)
+    kept = planner.predict_peak(meas, dataclasses.replace(cfg, offload=False))["total"]
+    # above the floor (what is left when every block's saves are gone, bf16 weight copies included), and never
+    # above the prediction, which keeps one block's saves and every constant part (chapter 11)
+    floor = kept - meas.n_blocks * (const + per_sample * cfg.micro_batch)
+    assert floor <= peak <= 1.01 * predicted, (floor, peak, predicted)
+    measured_kept, _ = run_and_measure(lm_model, dataclasses.replace(cfg, offload=False))
+    assert measured_kept - peak >= (meas.n_blocks - 1) * per_sample * cfg.micro_batch  # what offload saves, at least
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_offload_traffic_is_what_the_hooks_copy(lm_model, lm_plan, precision):
+    cfg = planner.Config(precision, 4, 2, 1, 0, offload=True)
+    x, y = make_tokens(8, T, vocab=2048)
+    hooks = offload.OffloadToHost(keep=lm_model.parameters())
+    plain = lm_model.blocks
+    lm_model.blocks = offload.offload_blocks(plain, hooks)
+    try:
+        for xm, ym in zip(x.split(4), y.split(4)):
+            with planner.autocast(precision, "cpu"):
+                loss = lm_loss(lm_model(xm), ym)
+            loss.backward()
+    finally:
+        lm_model.blocks = plain
+    lm_model.zero_grad(set_to_none=True)
+    assert hooks.copied_bytes + hooks.reloaded_bytes == planner.offload_bytes(lm_plan.measurements, cfg)
+
+
+def test_the_chunked_loss_and_offload_price_their_costs(lm_model, lm_plan):
+    meas = lm_plan.measurements
+    x, y = make_tokens(4, T, vocab=2048)
+    flops = {}
+    for chunks in (1, 4):
+        with FlopCounterMode(display=False) as counter:
+            planner.train_step(lm_model, lm_loss, x, y, torch.optim.SGD(lm_model.parameters(), lr=0.0),
+                               planner.Config("fp32", 4, 1, 1, 0, loss_chunks=chunks))
+        flops[chunks] = counter.get_total_flops()
+    # one more forward matmul of the head: its forward share, a third of a step's (the time model's extra term)
+    assert flops[4] / flops[1] - 1 == pytest.approx(planner.FORWARD_SHARE * meas.head_flop_share, rel=0.02)
+    cfg = planner.Config("fp32", 4, 4, 1, 0, offload=True)
+    slow, fast = (planner.predict_step_time(meas, cfg, host_bandwidth=bw) for bw in (1e6, 1e12))
+    assert slow - fast == pytest.approx(planner.offload_bytes(meas, cfg) * (1e-6 - 1e-12))
+    assert planner.offload_bytes(meas, dataclasses.replace(cfg, offload=False)) == 0
+
+
+def test_chapter_11_options_refuse_what_they_cannot_run(model, measured_plan, lm_model):
+    net = MLP(hidden=(16,))
+    with pytest.raises(ValueError, match="fused=True needs a model with CausalSelfAttention"):
+        planner.plan(net, (3, 32, 32), 8, 32 * MiB, fused=True)
+    with pytest.raises(ValueError, match="chunk_loss=True needs a TinyTransformer-like model trained with lm_loss"):
+        planner.plan(lm_model, (T,), B, 1 << 34, chunk_loss=True, loss_fn=lambda out, y: lm_loss(out, y))
+    with pytest.raises(ValueError, match="offload=True needs a model whose `blocks`"):
+        planner.plan(net, (3, 32, 32), 8, 32 * MiB, offload=True)
+    with pytest.raises(ValueError, match="not with checkpointing"):
+        planner.Config("fp32", 1, 1, 2, 0, offload=True)
+    with pytest.raises(ValueError, match="with tp = 1"):
+        planner.Config("fp32", 1, 1, 1, 3, 2, True, fused=True)
+    with pytest.raises(ValueError, match="lack the bytes offloading copies"):
+        planner.predict_step_time(measured_plan.measurements, planner.Config("fp32", 4, 4, 1, 0, offload=True))
+    with pytest.raises(ValueError, match="lack the peak of the loss alone"):
+        planner.predict_peak(measured_plan.measurements, planner.Config("fp32", 4, 4, 1, 0, loss_chunks=2))
+    x, y = make_tokens(4, T)
+    with pytest.raises(ValueError, match="pass loss_fn=lm_loss"):
+        planner.train_step(model, torch.nn.functional.mse_loss, x, y, torch.optim.Adam(model.parameters()),
+                           planner.Config("fp32", 4, 1, 1, 0, loss_chunks=2))

@@ -30,20 +30,17 @@ from torch import nn
 
 from course_lib.distributed import launch
 from course_lib.models import lm_loss
-from course_lib.workers.zero_common import RunConfig, build_model, gather_per_rank, local_batch, mean_over_ranks
+from course_lib.workers.zero_common import (RunConfig, build_model, gather_per_rank, local_batch, mean_over_ranks,
+                                            shard_fsdp2)
 
 MODES = ("none", "cpu")
 
 
 def shard(model: nn.Module, offload: bool, pin_memory: bool) -> nn.Module:
-    """FSDP2 on the embedding, every block, the head, then the root; shards on the host when ``offload``."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+    """``zero_common.shard_fsdp2`` (chapter 08's ZeRO-3), its shards on the host when ``offload``."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
 
-    policy = CPUOffloadPolicy(pin_memory=pin_memory) if offload else OffloadPolicy()
-    for part in [model.embed, *model.blocks, model.head]:
-        fully_shard(part, offload_policy=policy)
-    fully_shard(model, offload_policy=policy)
-    return model
+    return shard_fsdp2(model, offload_policy=CPUOffloadPolicy(pin_memory=pin_memory) if offload else None)
 
 
 def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:

@@ -91,7 +91,7 @@ def mean_over_ranks(value: float, device: torch.device | str = "cpu") -> float:
 
 
 def shard_fsdp2(model: TinyTransformer, reshard_after_forward: bool = True,
-                mp_policy: object | None = None) -> TinyTransformer:
+                mp_policy: object | None = None, offload_policy: object | None = None) -> TinyTransformer:
     """ZeRO-3 with FSDP2: one ``fully_shard`` per block, for the embedding and the head, then the root.
 
     Order matters: inner modules first, so each gets its own all-gather group
@@ -99,14 +99,19 @@ def shard_fsdp2(model: TinyTransformer, reshard_after_forward: bool = True,
     ``reshard_after_forward`` to the root as well overrides FSDP2's heuristic
     of keeping the root's parameters between forward and backward, so every
     parameter is gathered twice per step, as in the paper's stage 3.
+    ``mp_policy``: a ``MixedPrecisionPolicy``; ``offload_policy``: an
+    ``OffloadPolicy`` (``CPUOffloadPolicy()`` keeps the shards on the host,
+    chapter 11), the same for every part.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     kwargs: dict = {"reshard_after_forward": reshard_after_forward}
-    if mp_policy is not None:
-        if not isinstance(mp_policy, MixedPrecisionPolicy):
-            raise ValueError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
-        kwargs["mp_policy"] = mp_policy
+    for name, policy, kind in (("mp_policy", mp_policy, MixedPrecisionPolicy),
+                               ("offload_policy", offload_policy, OffloadPolicy)):
+        if policy is not None:
+            if not isinstance(policy, kind):
+                raise ValueError(f"{name} must be a {kind.__name__}, got {type(policy).__name__}")
+            kwargs[name] = policy
     parts: list[nn.Module] = [model.embed, *model.blocks, model.head]
     for part in parts:
         fully_shard(part, **kwargs)
