@@ -46,7 +46,7 @@ def _solution_cells() -> dict[str, str]:
 
 
 def run() -> dict[str, dict]:
-    from course_lib.grading import classroom, isolation
+    from course_lib.tools.grading import classroom, isolation
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "class"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from course_lib import runner
+from course_lib.tools import runner
 
 
 def run() -> dict[str, dict]:

@@ -1,8 +1,26 @@
-"""Helper library of the course "Training neural networks that do not fit".
+"""The library of the course "Training neural networks that do not fit": what the chapters teach.
 
-One concept per module; a module imports only modules listed above it in
-DESIGN order (env, data, models, memory, train, norms, checkpointing,
-distributed, plots, report, grading, cli).
+Each teaching module is explained by one chapter (its docstring says which), and imports only the modules
+listed above it:
+
+- ``env``: device, seeds, profiles and their size tables, timing (chapter 00);
+- ``data``: the offline ``shapes`` dataset, CIFAR-10, token sequences, loaders (chapter 00);
+- ``models``: the small CNNs and MLPs with a pluggable norm, and the tiny transformer (used from chapter 01 on);
+- ``memory``: bytes counted exactly (parameters, gradients, optimizer state, saved activations), ZeRO's formula,
+  peaks and the curve of allocated bytes over a step (chapters 01, 05, 08, 11);
+- ``estimator``: the same bytes predicted from the model and the batch shape alone (chapters 01, 11);
+- ``train``: one training loop, ``fit``, and the bare accumulation step (chapters 02-03);
+- ``norms``: GroupNorm by hand, MABN, BatchNorm folding (chapter 04);
+- ``checkpointing``: segment plans, checkpointed forwards, selective checkpointing (chapter 05);
+- ``distributed/``: data parallelism by hand (chapter 06), pipelines (07), ZeRO and FSDP2 (08), tensor and
+  sequence parallelism (10), and the launcher that starts their workers;
+- ``offload`` and ``chunked_loss``: memory beyond splitting (chapter 11);
+- ``planner/``: the capstone, measure, predict and search a configuration for a memory budget (chapter 12);
+- ``workers/``: the ``torchrun`` entry points that the distributed chapters start, and the typed results they
+  report.
+
+``tools/`` is not taught: it runs the course (``course run``), records and reports the claims, draws the plots,
+runs the benchmarks, builds the site and grades the exercises.
 """
 
 __version__ = "0.1.0"

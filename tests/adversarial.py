@@ -266,7 +266,7 @@ import pathlib
 def _solution_folders():
     found = [os.environ.get("COURSE_SOLUTIONS")]
     try:
-        from course_lib.grading import exercise
+        from course_lib.tools.grading import exercise
         found.append(str(exercise.solutions_dir()))
     except Exception:
         pass

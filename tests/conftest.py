@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from course_lib import env, runner
+from course_lib import env
+from course_lib.tools import runner
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILE = os.environ.get("COURSE_TEST_PROFILE", "smoke")

@@ -1,6 +1,6 @@
 import json
 
-from course_lib import bench, cli
+from course_lib.tools import bench, cli
 
 
 def test_goal_check():

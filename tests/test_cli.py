@@ -12,7 +12,7 @@ import nbformat
 import pytest
 import torch
 
-from course_lib import cli, runner
+from course_lib.tools import cli, runner
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,7 +24,7 @@ def test_unknown_notebook_is_a_clear_error(capsys):
 
 
 def test_unknown_profile_is_rejected():
-    proc = subprocess.run([sys.executable, "-m", "course_lib.cli", "run", "--profile", "laptop"],
+    proc = subprocess.run([sys.executable, "-m", "course_lib.tools.cli", "run", "--profile", "laptop"],
                           capture_output=True, text=True)
     assert proc.returncode != 0 and "invalid choice: 'laptop'" in proc.stderr
 
@@ -51,7 +51,7 @@ def _tiny_notebook(path: Path, code: str, *more: str) -> Path:
 
 def test_runner_writes_results_and_report(tmp_path, monkeypatch, capfd):
     nb = _tiny_notebook(tmp_path / "00_tiny.ipynb", "import time\ntime.sleep(1.5)",
-                        "from course_lib.report import record\nrecord('ch99/profile', PROFILE)\n"
+                        "from course_lib.tools.report import record\nrecord('ch99/profile', PROFILE)\n"
                         "import os\nrecord('ch99/omp', os.environ.get('OMP_NUM_THREADS'))")
     monkeypatch.setattr(runner, "LOG_EVERY_S", 0.5)  # a progress line at least every half second
     log = io.StringIO()  # not a terminal: whole lines, as in a CI log
@@ -145,7 +145,7 @@ def test_runner_resolves_a_relative_output_folder(tmp_path, monkeypatch):
     # `course run` defaults to --out build: the claims and figures must land there, not under the
     # notebook's folder, where the kernel runs
     (tmp_path / "nb").mkdir()
-    nb = _tiny_notebook(tmp_path / "nb" / "00_tiny.ipynb", "from course_lib.report import record\nrecord('ch99/x', 1)")
+    nb = _tiny_notebook(tmp_path / "nb" / "00_tiny.ipynb", "from course_lib.tools.report import record\nrecord('ch99/x', 1)")
     monkeypatch.chdir(tmp_path)
     result = runner.execute(nb, "smoke", Path("out"))
     assert result["error"] is None and result["results"] == {"ch99/x": 1}

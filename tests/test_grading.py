@@ -23,11 +23,11 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from course_lib import cli
-from course_lib.grading import assign, classroom, commands, isolation
-from course_lib.grading.exercise import GradingError, grade_id, is_test_cell, load_exercise, parse_exercise
-from course_lib.grading.execute import RECOVER_TIMEOUT, run_notebook
-from course_lib.grading.grade import STATUSES, grade_notebook
+from course_lib.tools import cli
+from course_lib.tools.grading import assign, classroom, commands, isolation
+from course_lib.tools.grading.execute import RECOVER_TIMEOUT, run_notebook
+from course_lib.tools.grading.exercise import GradingError, grade_id, is_test_cell, load_exercise, parse_exercise
+from course_lib.tools.grading.grade import STATUSES, grade_notebook
 
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
@@ -363,7 +363,7 @@ def test_broken_convention_is_a_clear_error(tiny, broken, message):
 def test_answers_travel_as_plain_data_and_the_decoder_trusts_nothing():
     import torch
 
-    from course_lib.grading import wire
+    from course_lib.tools.grading import wire
 
     value = {"a": [1, 2.5, float("nan"), None, True, "x", (1, 2), {3}], 7: torch.arange(6.0).reshape(2, 3),
              "p": torch.nn.Parameter(torch.ones(2)), "bf16": torch.zeros(0, 3, dtype=torch.bfloat16)}
@@ -388,7 +388,7 @@ def test_answers_travel_as_plain_data_and_the_decoder_trusts_nothing():
 
 
 def test_load_refuses_links_and_huge_files(tmp_path):
-    from course_lib.grading import wire
+    from course_lib.tools.grading import wire
 
     (tmp_path / "secret").write_text("the instructor's")
     (tmp_path / "link").symlink_to(tmp_path / "secret")
@@ -404,7 +404,7 @@ def test_load_refuses_links_and_huge_files(tmp_path):
 def test_checks_compare_with_exact_types():
     import torch
 
-    from course_lib.grading.checks import close, raised, same
+    from course_lib.tools.grading.checks import close, raised, same
 
     assert same([1, (2, "a")], [1, (2, "a")]) and not same([1], [True]) and not same([1], (1,)) and not same(1, 1.0)
     assert same(torch.ones(2), torch.ones(2)) and not same(torch.ones(2), torch.ones(2, dtype=torch.float64))
@@ -422,7 +422,7 @@ def test_checks_compare_with_exact_types():
 
 
 def test_forbidden_references_are_found_however_they_are_spelled():
-    from course_lib.grading.forbid import violations
+    from course_lib.tools.grading.forbid import violations
 
     ban = ("course_lib.memory.zero_memory",)
     used = {
@@ -576,7 +576,7 @@ def test_an_answer_that_cannot_travel_fails_with_a_clear_message(tiny):
 def _course(*args: str, solutions: Path | None = None, cwd: Path = ROOT, pythonpath: Path = ROOT
             ) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(pythonpath), **({"COURSE_SOLUTIONS": str(solutions)} if solutions else {})}
-    return subprocess.run([sys.executable, "-m", "course_lib.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "course_lib.tools.cli", *args], capture_output=True, text=True,
                           env=env, timeout=300, cwd=cwd)
 
 
@@ -665,8 +665,8 @@ def test_folder_of_submissions_in_parallel_into_csv_summary_and_feedback(tiny, t
 
 
 def test_feedback_never_quotes_a_hidden_test(tiny, tmp_path):
-    from course_lib.grading.classroom import Submission, feedback_markdown
-    from course_lib.grading.exercise import Catalog
+    from course_lib.tools.grading.classroom import Submission, feedback_markdown
+    from course_lib.tools.grading.exercise import Catalog
 
     leak = ("    import linecache, sys\n    lines = linecache.getlines(sys._getframe(1).f_code.co_filename)\n"
             "    raise ValueError(' | '.join(l.strip() for l in lines[-3:]))")
@@ -736,7 +736,7 @@ def test_release_holds_no_solution_and_no_hidden_test_line(released):
             found = [line for line in lines if line in text]
             assert not found, f"{path.relative_to(released)} holds hidden-test lines: {found[:3]}"
     for name in ("README.md", "pyproject.toml", "Makefile", "environment.yml", "data/README.md",
-                 "course_lib/grading/grade.py", "notebooks/01_memory_anatomy.ipynb", "exercises/README.md"):
+                 "course_lib/tools/grading/grade.py", "notebooks/01_memory_anatomy.ipynb", "exercises/README.md"):
         assert (released / name).is_file(), f"the learner's copy lacks {name}"
     assert sorted(p.name for p in (released / "exercises").glob("*.ipynb")) == [p.name for p in SOLUTIONS]
 

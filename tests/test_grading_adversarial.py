@@ -23,8 +23,8 @@ import psutil
 import pytest
 
 import adversarial as A
-from course_lib.grading import isolation
-from course_lib.grading.exercise import Catalog
+from course_lib.tools.grading import isolation
+from course_lib.tools.grading.exercise import Catalog
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = f"course-detached-{os.getpid()}"
@@ -45,7 +45,7 @@ FORGED = A.Attack(
     what="replaces the answers the kernel sends by the visible tests' expected values, and claims every error",
     cells={"q1_one_f_one_b": '''
 import sys
-from course_lib.grading import checks, wire
+from course_lib.tools.grading import checks, wire
 
 checks.raised = lambda *args, **kwargs: "ValueError: of course"
 _real_dump = wire.dump
@@ -86,7 +86,7 @@ def graded(tmp_path_factory) -> dict:
     out = base / "out"
     env = {**os.environ, "COURSE_SOLUTIONS": str(solutions), "PYTHONPATH": str(ROOT)}
     start = time.monotonic()
-    run = subprocess.run([sys.executable, "-m", "course_lib.cli", "grade", str(folder), "-j", "2", "--timeout", "60",
+    run = subprocess.run([sys.executable, "-m", "course_lib.tools.cli", "grade", str(folder), "-j", "2", "--timeout", "60",
                           "--csv", str(out / "grades.csv")], capture_output=True, text=True, env=env, timeout=900)
     seconds = time.monotonic() - start
     csv_text = (out / "grades.csv").read_text() if (out / "grades.csv").exists() else ""

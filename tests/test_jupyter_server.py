@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from course_lib import cli
+from course_lib.tools import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -39,4 +39,4 @@ def test_ci_pins_torch():
 
 def test_console_script():
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    assert meta["scripts"]["course"] == "course_lib.cli:main"
+    assert meta["scripts"]["course"] == "course_lib.tools.cli:main"

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from course_lib import plots
 from course_lib.distributed.clock import CpuClock, CudaClock, clock_for
+from course_lib.tools import plots
 from course_lib.distributed.pipeline import (KINDS, OpTiming, bubble_formula, check_schedule, inflight_counts,
                                              interleaved_order, make_schedule, one_f_one_b_order, simulate)
 from course_lib.distributed.pipeline_exec import (boundary_shapes, message_batches, op_links, run_stage,

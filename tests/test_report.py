@@ -4,7 +4,7 @@ import sys
 import pytest
 import torch
 
-from course_lib import report
+from course_lib.tools import report
 
 
 def test_record_appends_and_load_keeps_last(tmp_path, monkeypatch, capsys):

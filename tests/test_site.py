@@ -8,7 +8,7 @@ import pytest
 import conftest
 from browser import CHROMIUM, Browser
 from conftest import OUT, PROFILE, notebook_claims
-from course_lib import runner, site
+from course_lib.tools import runner, site
 
 if CHROMIUM is None and os.environ.get("CI") != "true":  # CI installs it (.ci/run) and must run this test
     pytest.skip("Chromium is not installed (Debian: apt-get install chromium)", allow_module_level=True)

@@ -20,7 +20,8 @@ import os
 import sys
 from pathlib import Path
 
-from course_lib import env, runner
+from course_lib import env
+from course_lib.tools import runner
 
 ROOT = runner.ROOT
 
@@ -96,7 +97,7 @@ def _cmd_download(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from course_lib import bench
+    from course_lib.tools import bench
 
     table = bench.run_all(only=args.only)
     print(json.dumps(table, indent=1) if args.json else bench.format_table(table))
@@ -104,7 +105,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_site(args: argparse.Namespace) -> int:
-    from course_lib import site
+    from course_lib.tools import site
 
     index = site.build_site(args.build)
     print(f"[course] site: {index}")
@@ -112,7 +113,7 @@ def _cmd_site(args: argparse.Namespace) -> int:
 
 
 def _cmd_grading(args: argparse.Namespace) -> int:
-    from course_lib.grading import commands
+    from course_lib.tools.grading import commands
 
     return getattr(commands, args.command)(args)
 

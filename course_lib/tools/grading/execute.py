@@ -1,7 +1,7 @@
 """Run a notebook's cells in a separate kernel, one at a time, with time limits; never hang.
 
 Learner code never runs in the grader's process: nbclient starts a fresh
-IPython kernel inside a ``Sandbox`` (``course_lib.grading.isolation``), killed
+IPython kernel inside a ``Sandbox`` (``course_lib.tools.grading.isolation``), killed
 at the end with everything it started. Outputs are not kept (a cell that
 prints gigabytes cannot fill the grader's memory). Each code cell gets
 ``timeout`` seconds; the whole notebook gets ``total_timeout``. What happened
@@ -34,8 +34,8 @@ from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from nbclient.util import ensure_async
 from nbformat import NotebookNode
 
-from course_lib.grading.exercise import GradingError
-from course_lib.grading.isolation import Sandbox
+from course_lib.tools.grading.exercise import GradingError
+from course_lib.tools.grading.isolation import Sandbox
 
 STARTUP_TIMEOUT = 60     # seconds for a kernel to start on a busy laptop
 RECOVER_TIMEOUT = 10     # seconds an interrupted kernel gets to answer again before it is killed
@@ -80,7 +80,7 @@ class _Client(NotebookClient):
 
 def _quiet_logger() -> logging.Logger:
     # nbclient logs every timeout and dead kernel as an error; the grade report says it better.
-    log = logging.getLogger("course_lib.grading.kernel")
+    log = logging.getLogger("course_lib.tools.grading.kernel")
     log.setLevel(logging.CRITICAL)
     log.propagate = False
     return log

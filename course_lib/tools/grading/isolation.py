@@ -39,7 +39,7 @@ from pathlib import Path
 
 import psutil
 
-from course_lib.grading.exercise import ROOT, GradingError
+from course_lib.tools.grading.exercise import ROOT, GradingError
 
 MODES = ("namespaces+uid", "uid", "namespaces", "none")
 SANDBOX_PY = Path(__file__).with_name("sandbox.py")

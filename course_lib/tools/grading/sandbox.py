@@ -1,7 +1,7 @@
 """Start a learner's kernel inside its sandbox (run by the grader as a script, before any learner code).
 
 ``python -I -B sandbox.py CONFIG.json [ARGS]`` reads its configuration (written by
-``course_lib.grading.isolation``), then:
+``course_lib.tools.grading.isolation``), then:
 
 1. when it runs in new mount and PID namespaces (``unshare``, as the grader
    arranges when it can), hides the instructor's folders (solutions, the class's

@@ -1,6 +1,6 @@
 """What an exercise's test cells use: ``raised`` in their answers, ``same`` and ``close`` in their checks.
 
-A test cell has three parts (see ``course_lib.grading.exercise``): its
+A test cell has three parts (see ``course_lib.tools.grading.exercise``): its
 *inputs*, its *answers* (which call the learner's functions and collect what
 they return in ``got``) and its *checks*. When grading, the answers run in
 the learner's kernel and the checks in the grader, on what ``got`` held, so

@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from course_lib import report
 from course_lib.env import check_profile
+from course_lib.tools import report
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
 
 # Kernels get CurveZMQ keys from the kernel manager when their kernelspec says it supports them (ipykernel's

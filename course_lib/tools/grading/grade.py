@@ -27,13 +27,13 @@ from typing import Any
 import nbformat
 from nbformat import NotebookNode
 
-from course_lib.grading import forbid, wire
-from course_lib.grading.checker import Checker, Verdict, reseed_source, uses_torch
-from course_lib.grading.exercise import (
+from course_lib.tools.grading import forbid, wire
+from course_lib.tools.grading.checker import Checker, Verdict, reseed_source, uses_torch
+from course_lib.tools.grading.exercise import (
     Exercise, Question, find_exercise, grade_id, is_test_cell, notebook_from_bytes,
 )
-from course_lib.grading.execute import CellRun, run_notebook
-from course_lib.grading.isolation import Sandbox, detect
+from course_lib.tools.grading.execute import CellRun, run_notebook
+from course_lib.tools.grading.isolation import Sandbox, detect
 
 STATUSES = ("passed", "failed", "error", "timeout", "rejected")
 _CELL_LINE = re.compile(r"Cell In\[\d+\], line (\d+)")
@@ -93,7 +93,7 @@ class Producer:
 
 def producer(q: Question, hidden: bool, answers_path: str, torch_too: bool) -> Producer:
     """Inputs and answers of ``q`` (the hidden ones when ``hidden``), then ``got`` saved to ``answers_path``."""
-    out: list[str] = [reseed_source(torch_too), "from course_lib.grading.checks import raised"]
+    out: list[str] = [reseed_source(torch_too), "from course_lib.tools.grading.checks import raised"]
     lines: dict[int, str] = {}
     parts = [("visible", q.visible)] + ([("hidden", q.hidden)] if hidden and q.hidden is not None else [])
     for kind, part in parts:
@@ -103,7 +103,7 @@ def producer(q: Question, hidden: bool, answers_path: str, torch_too: bool) -> P
             for line in section.source.splitlines():
                 out.append(line)
                 lines[len(out)] = kind
-    out.append(f"from course_lib.grading.wire import dump as _course_dump; _course_dump(got, {answers_path!r})")
+    out.append(f"from course_lib.tools.grading.wire import dump as _course_dump; _course_dump(got, {answers_path!r})")
     return Producer("\n".join(out), lines)
 
 

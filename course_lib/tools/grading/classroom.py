@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from course_lib.grading.exercise import Catalog, Exercise, GradingError, is_test_cell, notebook_from_bytes
-from course_lib.grading.grade import GradeResult, grade_notebook, points_text
-from course_lib.grading.isolation import detect
+from course_lib.tools.grading.exercise import Catalog, Exercise, GradingError, is_test_cell, notebook_from_bytes
+from course_lib.tools.grading.grade import GradeResult, grade_notebook, points_text
+from course_lib.tools.grading.isolation import detect
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The ``course assign``, ``grade``, ``check`` and ``release`` commands (called from ``course_lib.cli``).
+"""The ``course assign``, ``grade``, ``check`` and ``release`` commands (called from ``course_lib.tools.cli``).
 
 Each takes the parsed arguments and returns the exit status. ``grade`` exits
 0 whenever grading completed, whatever the score; a notebook that cannot be
@@ -13,8 +13,8 @@ import json
 import sys
 from pathlib import Path
 
-from course_lib.grading.exercise import Catalog, read_notebook
-from course_lib.grading.grade import GradeResult, grade_notebook, points_text
+from course_lib.tools.grading.exercise import Catalog, read_notebook
+from course_lib.tools.grading.grade import GradeResult, grade_notebook, points_text
 
 STATUS_WORD = {"passed": "ok", "failed": "failed", "error": "error", "timeout": "timeout", "rejected": "rejected"}
 ALL_VISIBLE_PASS = "visible tests passed; hidden tests check more"
@@ -26,7 +26,7 @@ def _solutions(args: argparse.Namespace) -> Path | None:
 
 def assign(args: argparse.Namespace) -> int:
     """Regenerate ``exercises/`` from ``solutions/``; with ``--check``, only report what is stale."""
-    from course_lib.grading import assign as gen
+    from course_lib.tools.grading import assign as gen
 
     if getattr(args, "check", False):
         stale = gen.stale(_solutions(args))
@@ -70,8 +70,8 @@ def grade(args: argparse.Namespace) -> int:
 
 
 def _grade_folder(folder: Path, args: argparse.Namespace) -> int:
-    from course_lib.grading import isolation
-    from course_lib.grading.classroom import Submission, grade_folder, summary, summary_text, write_outputs
+    from course_lib.tools.grading import isolation
+    from course_lib.tools.grading.classroom import Submission, grade_folder, summary, summary_text, write_outputs
 
     csv_path = Path(args.csv) if getattr(args, "csv", None) else folder / "grades.csv"
     feedback = getattr(args, "feedback", None)
@@ -131,7 +131,7 @@ def check(args: argparse.Namespace) -> int:
 
 def release(args: argparse.Namespace) -> int:
     """Write the learner's copy of the course to ``DEST`` (no solutions, no hidden tests)."""
-    from course_lib.grading.release import write_release
+    from course_lib.tools.grading.release import write_release
 
     report = write_release(Path(args.dest), _solutions(args), force=getattr(args, "force", False))
     print(f"[course] learner's copy in {report['dest']}: {report['files']} files; no solutions, "

@@ -30,5 +30,5 @@ __all__ = sorted(_EXPORTS)
 
 def __getattr__(name: str):
     if name in _EXPORTS:
-        return getattr(importlib.import_module(f"course_lib.grading.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'course_lib.grading' has no attribute {name!r}")
+        return getattr(importlib.import_module(f"course_lib.tools.grading.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'course_lib.tools.grading' has no attribute {name!r}")

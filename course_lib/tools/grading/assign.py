@@ -18,7 +18,7 @@ from pathlib import Path
 import nbformat
 from nbformat import NotebookNode
 
-from course_lib.grading.exercise import (
+from course_lib.tools.grading.exercise import (
     EXERCISES, META_KEY, GradingError, hints, parse_exercise, read_notebook, solutions_dir,
 )
 _PLACEHOLDER = "@@HINT@@"

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 _OPS = {"<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt}
 
 

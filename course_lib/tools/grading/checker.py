@@ -20,7 +20,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from course_lib.grading.exercise import Exercise, GradingError, Part, Question
+from course_lib.tools.grading.exercise import Exercise, GradingError, Part, Question
 
 CHECK_TIMEOUT = 120  # seconds for one question's checks (they compute references, on small inputs)
 

@@ -19,10 +19,10 @@ same files):
 
   Run top to bottom (in Jupyter, or by nbgrader) the cell is an ordinary test.
   The grader instead runs the inputs and answers in the learner's kernel and
-  sends ``got`` out as plain data (``course_lib.grading.wire``), then runs the
+  sends ``got`` out as plain data (``course_lib.tools.grading.wire``), then runs the
   inputs again and the checks in its own process, which never runs learner
   code. A test cell's ``metadata.course.forbid`` may list what the answer must
-  not call (``"course_lib.memory.zero_memory"``, see ``course_lib.grading.forbid``).
+  not call (``"course_lib.memory.zero_memory"``, see ``course_lib.tools.grading.forbid``).
 
 A question is named by its test cell's ``grade_id`` and owns the cells after
 the previous test cell, up to and including its own. Code cells that are
@@ -41,7 +41,7 @@ from pathlib import Path
 import nbformat
 from nbformat import NotebookNode
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 EXERCISES = ROOT / "exercises"
 BEGIN_SOLUTION, END_SOLUTION = "BEGIN SOLUTION", "END SOLUTION"
 BEGIN_HIDDEN, END_HIDDEN = "BEGIN HIDDEN TESTS", "END HIDDEN TESTS"

@@ -15,8 +15,8 @@ import json
 import shutil
 from pathlib import Path
 
-from course_lib.grading import assign
-from course_lib.grading.exercise import ROOT, Catalog, GradingError, split_test
+from course_lib.tools.grading import assign
+from course_lib.tools.grading.exercise import ROOT, Catalog, GradingError, split_test
 
 INCLUDE = ["README.md", "pyproject.toml", "environment.yml", "Makefile", ".gitignore", "notebooks", "course_lib",
            "data/README.md", "data/shapes_examples.jpg", "docs", "benchmarks", "exercises/README.md"]
