@@ -62,7 +62,8 @@ def test_no_sync_communicates_once_per_step(claims) -> None:
 
 
 def test_fit_with_accumulation_follows_the_same_curve(claims) -> None:
-    assert claims["ch03/fit_loss_max_diff"] < 1e-4
+    # the runs are float64; fit reports each loss in float32, whose resolution near 2 is 2.4e-7
+    assert claims["ch03/fit_loss_max_diff"] < 1e-6
     assert claims["ch03/fit_loss_drop"] > 0
 
 
