@@ -29,10 +29,10 @@ def test_warmup_claims(profile):
     c = notebook_claims("02")
     # linear scaling rule on a CNN without normalisation: batch 16 at lr 0.01 against batch 128 at lr 0.08, with and
     # without warmup. At smoke (2,048 images, 6 epochs, one seed; chance is a test error of 0.9) the mechanism holds:
-    # the small batch learns (measured 0.45). Each threshold below held for seeds 0, 1 and 2 at smoke, not only seed 0.
+    # the small batch learns (measured 0.42). Each threshold below held for seeds 0, 1 and 2 at smoke, not only seed 0.
     assert c["ch02/small_batch_test_error"] < 0.6
     # without warmup the loss climbs above its first value, higher than with warmup, and the run ends clearly worse
-    # (measured 7.2 > 6.4 and test error 0.90 against 0.64)
+    # (measured 7.9 > 6.6 and test error 0.91 against 0.61)
     assert c["ch02/no_warmup_max_loss"] > c["ch02/large_batch_first_loss"]
     assert c["ch02/no_warmup_max_loss"] > c["ch02/warmup_max_loss"]
     assert c["ch02/no_warmup_test_error"] > c["ch02/warmup_test_error"] + 0.05
