@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -121,23 +121,52 @@ class GhostBatchNorm2d(nn.BatchNorm2d):
 # ----- MABN ---------------------------------------------------------------------------
 
 
+Average = Callable[[torch.Tensor], torch.Tensor]  # this step's (G, C) statistic -> the (G, C) one to use
+
+
+def _sma_per_device(buffer: torch.Tensor, slot: int, use_sma: bool) -> Average:
+    """Each group is a device with its own buffer rows: write this step's statistic into ``slot`` of the
+    (m, G, C) ring and return the mean over the m steps it holds (or the statistic alone, before ``use_sma``)."""
+
+    def average(stat: torch.Tensor) -> torch.Tensor:
+        buffer[slot] = stat
+        return buffer.mean(0) if use_sma else stat
+
+    return average
+
+
+def _sma_in_sequence(buffer: torch.Tensor, use_sma: torch.Tensor) -> Average:
+    """The groups are micro-batches that one device runs in order: ``buffer`` (m, 1, C) holds the last m
+    micro-batches' statistics, oldest first; group i gets the mean over the m up to itself (its own, the
+    groups before it in this step, then the previous steps'), or its own alone where ``use_sma[i]`` is False."""
+    m = buffer.shape[0]
+
+    def average(stat: torch.Tensor) -> torch.Tensor:
+        sequence = torch.cat([buffer[:, 0], stat])  # (m + G, C) in the order the micro-batches ran
+        window = sequence.unfold(0, m, 1)[1:].mean(-1)  # row i: the m statistics ending at group i
+        buffer[:, 0] = sequence[-m:]
+        return torch.where(use_sma.view(-1, 1), window, stat)
+
+    return average
+
+
 class MABNFunction(torch.autograd.Function):
     """``y = weight * r * x / s + bias``, ``s = sqrt(psi + eps)`` given; the backward uses a moving-average statistic.
 
     With ``z = x / s`` and ``g = dL/dz``, the exact backward of ``x / sqrt(mean(x^2) + eps)`` is
     ``dx = (g - z * mean(g * z)) / s``. MABN replaces this batch's ``mean(g * z)`` by its simple
-    moving average over the last m batches (``grad_buffer``), and treats ``r`` as a constant.
-    With m = 1 and r = 1 this is exactly autograd's gradient. Saves only ``x``, as BN does.
-    ``inv_s`` and ``r`` are (G, C): one row per group of N / G consecutive images (one device's
-    share of the batch), each group with its own statistics and its own rows of ``grad_buffer``.
+    moving average over the last m batches (``average``, which also records it), and treats ``r`` as a
+    constant. With m = 1 and r = 1 this is exactly autograd's gradient. Saves only ``x``, as BN does.
+    ``inv_s`` and ``r`` are (G, C): one row per group of N / G consecutive images (one device's, or one
+    micro-batch's, share of the batch), each group with its own statistics.
     """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, inv_s: torch.Tensor,
-                r: torch.Tensor, grad_buffer: torch.Tensor, slot: int, use_sma: bool) -> torch.Tensor:
+                r: torch.Tensor, average: Average) -> torch.Tensor:
         groups, c = inv_s.shape
         ctx.save_for_backward(x, weight, inv_s, r)
-        ctx.grad_buffer, ctx.slot, ctx.use_sma = grad_buffer, slot, use_sma
+        ctx.average = average
         xg = x.view(groups, -1, *x.shape[1:])  # (G, N/G, C, H, W): a view, no copy
         scale = (weight * r * inv_s).view(groups, 1, c, 1, 1).to(x.dtype)
         # one fused multiply-add: no centring, so the whole layer is a per-channel scale and shift
@@ -155,14 +184,12 @@ class MABNFunction(torch.autograd.Function):
         grad_weight = (gx_sum * r * inv_s).sum(0)  # sum(grad_out * r * z) over every group
         grad_bias = grad_out.sum((0, 2, 3), dtype=acc)
         psi_g = gx_sum / count * scale  # each group's mean(g * z), g = grad_out * weight * r
-        ctx.grad_buffer[ctx.slot] = psi_g
-        psi_g_used = ctx.grad_buffer.mean(0) if ctx.use_sma else psi_g
+        psi_g_used = ctx.average(psi_g)
         # dx = (g - z * psi_g) / s  =  grad_out * scale - x * psi_g / s^2, group by group
         shape = (groups, 1, c, 1, 1)
         go, xg = grad_out.view(groups, -1, *x.shape[1:]), x.view(groups, -1, *x.shape[1:])
         grad_x = go * scale.view(shape).to(x.dtype) - xg * (psi_g_used * inv_s**2).view(shape).to(x.dtype)
-        return (grad_x.view(x.shape), grad_weight.to(weight.dtype), grad_bias.to(weight.dtype),
-                None, None, None, None, None)
+        return grad_x.view(x.shape), grad_weight.to(weight.dtype), grad_bias.to(weight.dtype), None, None, None
 
 
 class MABN2d(nn.Module):
@@ -189,12 +216,17 @@ class MABN2d(nn.Module):
     simulated device: each group keeps its own SMA buffers (its own rows of ``stat_buffer`` and
     ``grad_buffer``, shaped (m, N/g, C) from the first training batch on), as a device that keeps
     its buffers to itself does. ``running_var``, which evaluation uses, follows device 0's SMA, and
-    every group renormalises towards it.
+    every group renormalises towards it. With ``sequential=True`` the groups are instead the
+    micro-batches that one device runs one after another (gradient accumulation, chapter 03), which
+    is how the authors simulate a normalisation batch of 2 within an SGD batch of 256 on ImageNet:
+    one moving average runs through the groups in order (buffers (m, 1, C)), so with m = N/g it spans
+    this step's groups and the previous step's, and ``step``, the warm-ups and the EMA count
+    micro-batches. Either way the result equals separate layers run on each group (tests check it).
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.98, buffer_size: int = 16,
                  warmup_steps: int = 100, renorm_warmup: int = 1000, clip: float = 5.0,
-                 group_size: int | None = None):
+                 group_size: int | None = None, sequential: bool = False):
         super().__init__()
         if num_features <= 0 or buffer_size < 1 or not 0 <= momentum < 1 or clip < 1:
             raise ValueError(f"MABN2d needs num_features > 0 (got {num_features}), buffer_size >= 1 "
@@ -203,7 +235,7 @@ class MABN2d(nn.Module):
             raise ValueError(f"group_size must be None or at least 1 image, got {group_size}")
         self.num_features, self.eps, self.momentum, self.clip = num_features, eps, momentum, clip
         self.buffer_size, self.warmup_steps, self.renorm_warmup = buffer_size, warmup_steps, renorm_warmup
-        self.group_size = group_size
+        self.group_size, self.sequential = group_size, sequential
         self.weight = nn.Parameter(torch.ones(num_features))
         self.bias = nn.Parameter(torch.zeros(num_features))
         # Buffers, so .to(device) and state_dict carry them; (m, G, C) each: 2 * m * G * C floats per layer.
@@ -229,13 +261,27 @@ class MABN2d(nn.Module):
     def _groups(self, n: int) -> int:
         """The batch's number of groups; sizes the buffers on the first training batch."""
         groups = _split_groups(n, self.group_size, "MABN2d")
-        if self.stat_buffer.shape[1] != groups:
+        rows = 1 if self.sequential else groups  # one sequence of micro-batches, or a buffer per device
+        if self.stat_buffer.shape[1] != rows:
             if self.step:
                 raise ValueError(f"MABN2d has buffers for {self.stat_buffer.shape[1]} group(s) of images, but this "
                                  f"batch of {n} makes {groups}: keep the training batch size fixed")
-            self.stat_buffer = self.stat_buffer.new_zeros(self.buffer_size, groups, self.num_features)
-            self.grad_buffer = self.grad_buffer.new_zeros(self.buffer_size, groups, self.num_features)
+            self.stat_buffer = self.stat_buffer.new_zeros(self.buffer_size, rows, self.num_features)
+            self.grad_buffer = self.grad_buffer.new_zeros(self.buffer_size, rows, self.num_features)
         return groups
+
+    def _ema_in_sequence(self, psi: torch.Tensor) -> torch.Tensor:
+        """Advance ``running_var`` by one EMA update per micro-batch, in order; return the EMA each one
+        found before its own update, (G, C). Closed form (one matmul, not G small updates):
+        ``ema_i = mom^(i+1) ema_start + (1 - mom) * sum_{j <= i} mom^(i-j) psi_j``."""
+        groups, mom = psi.shape[0], self.momentum
+        i = torch.arange(groups, device=psi.device, dtype=psi.dtype)
+        lag = i.view(-1, 1) - i.view(1, -1)
+        weights = torch.where(lag >= 0, (1 - mom) * mom ** lag.clamp(min=0), torch.zeros_like(lag))
+        after = mom ** (i + 1).view(-1, 1) * self.running_var.to(psi.dtype) + weights @ psi  # (G, C)
+        before = torch.cat([self.running_var.to(psi.dtype).view(1, -1), after[:-1]])
+        self.running_var.copy_(after[-1])
+        return before
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 4 or x.shape[1] != self.num_features:
@@ -244,28 +290,39 @@ class MABN2d(nn.Module):
             scale = self.weight * torch.rsqrt(self.running_var + self.eps)
             return torch.addcmul(self.bias.view(1, -1, 1, 1), x, scale.view(1, -1, 1, 1))
         groups = self._groups(x.shape[0])
-        slot = self.step % self.buffer_size
-        use_sma = self.step >= max(self.warmup_steps, self.buffer_size - 1)  # buffer full from step m-1
+        full = max(self.warmup_steps, self.buffer_size - 1)  # the SMA is used from here on (buffer full at m-1)
         with torch.no_grad():
             acc = torch.promote_types(x.dtype, torch.float32)  # at least float32, also under bf16 autocast
             # this batch's second moment per group and channel: per image over (H, W), then per group
             chi = x.detach().pow(2).mean((2, 3), dtype=acc).view(groups, -1, self.num_features).mean(1)
-            self.stat_buffer[slot] = chi
-            psi = self.stat_buffer.mean(0) if use_sma else chi  # (G, C)
-            inv_s = torch.rsqrt(psi + self.eps)
-            if self.step >= self.renorm_warmup:
-                r = torch.sqrt(psi + self.eps) * torch.rsqrt(self.running_var + self.eps)
-                r = r.clamp(1 / self.clip, self.clip)
+            if self.sequential:  # micro-batch i of this step is the layer's (step + i)-th
+                index = self.step + torch.arange(groups, device=x.device)
+                use_sma, renorm = index >= full, (index >= self.renorm_warmup).view(-1, 1)
+                stat_average = _sma_in_sequence(self.stat_buffer, use_sma)
+                grad_average = _sma_in_sequence(self.grad_buffer, use_sma)
+                psi = stat_average(chi)  # (G, C)
+                ema_before = self._ema_in_sequence(psi)
+                self.step += groups
             else:
-                r = torch.ones_like(psi)
-            self.running_var.mul_(self.momentum).add_(psi[0], alpha=1 - self.momentum)  # device 0's
-        self.step += 1
-        return MABNFunction.apply(x, self.weight, self.bias, inv_s, r, self.grad_buffer, slot, use_sma)
+                slot = self.step % self.buffer_size
+                stat_average = _sma_per_device(self.stat_buffer, slot, self.step >= full)
+                grad_average = _sma_per_device(self.grad_buffer, slot, self.step >= full)
+                psi = stat_average(chi)  # (G, C)
+                renorm, ema_before = self.step >= self.renorm_warmup, self.running_var.clone()  # bools
+                self.running_var.mul_(self.momentum).add_(psi[0], alpha=1 - self.momentum)  # device 0's
+                self.step += 1
+            inv_s = torch.rsqrt(psi + self.eps)
+            r = torch.ones_like(psi)
+            if renorm is not False:  # a per-micro-batch mask, or True once a device is past the warm-up
+                ratio = (torch.sqrt(psi + self.eps) * torch.rsqrt(ema_before + self.eps)).clamp(1 / self.clip, self.clip)
+                r = torch.where(renorm, ratio, r) if self.sequential else ratio
+        return MABNFunction.apply(x, self.weight, self.bias, inv_s, r, grad_average)
 
     def extra_repr(self) -> str:
         return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, buffer_size={self.buffer_size}, "
                 f"warmup_steps={self.warmup_steps}, renorm_warmup={self.renorm_warmup}, clip={self.clip}"
-                + (f", group_size={self.group_size}" if self.group_size is not None else ""))
+                + (f", group_size={self.group_size}" if self.group_size is not None else "")
+                + (", sequential=True" if self.sequential else ""))
 
 
 class CenConv2d(nn.Conv2d):

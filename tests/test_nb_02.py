@@ -29,10 +29,10 @@ def test_warmup_claims(profile):
     c = notebook_claims("02")
     # linear scaling rule on a CNN without normalisation: batch 16 at lr 0.01 against batch 128 at lr 0.08, with and
     # without warmup. At smoke (2,048 images, 6 epochs, one seed; chance is a test error of 0.9) the mechanism holds:
-    # the small batch learns (measured 0.45). Each threshold below held for seeds 0, 1 and 2 at smoke, not only seed 0.
+    # the small batch learns (measured 0.42). Each threshold below held for seeds 0, 1 and 2 at smoke, not only seed 0.
     assert c["ch02/small_batch_test_error"] < 0.6
     # without warmup the loss climbs above its first value, higher than with warmup, and the run ends clearly worse
-    # (measured 7.2 > 6.4 and test error 0.90 against 0.64)
+    # (measured 7.9 > 6.6 and test error 0.91 against 0.61)
     assert c["ch02/no_warmup_max_loss"] > c["ch02/large_batch_first_loss"]
     assert c["ch02/no_warmup_max_loss"] > c["ch02/warmup_max_loss"]
     assert c["ch02/no_warmup_test_error"] > c["ch02/warmup_test_error"] + 0.05
@@ -42,15 +42,20 @@ def test_warmup_claims(profile):
     assert c["ch02/warmup_gap_closed"] > 0.25
     if profile == "smoke":  # one seed and 96 large-batch steps: the rest needs the cpu profile
         return
-    # at cpu, over three seeds (4,000 images, 6 epochs; measured 0.30 / 0.89 / 0.41 mean test error):
-    # beyond the seed spread, every seed without warmup ended worse than every warmed-up seed and than every
-    # small-batch seed; each run without warmup climbed above its first loss, no warmed-up run by more than 20%;
-    # and warmup removed most of the gap (measured 81%)
-    assert c["ch02/lr_seeds"] >= 3
-    assert c["ch02/no_warmup_min_over_warmup_max"] > 0
-    assert min(c["ch02/no_warmup_test_error_per_seed"]) > max(c["ch02/small_batch_test_error_per_seed"])
+    # at cpu, over nine seeds (4,000 images, 6 epochs): a run without warmup either stalls at chance or recovers to
+    # about the warmed-up level (measured: 6 of 9 stalled; mean test error 0.32 small batch, 0.75 no warmup, 0.45
+    # warmup), so the claims are on means: each seed-by-seed difference is more than twice its standard error
+    # above zero (measured +0.30 +- 0.07 against warmup, +0.43 +- 0.07 against the small batch, +1.0 +- 0.3 in
+    # the largest loss over the first); no warmed-up run climbed by more than 20%, none stalled; and warmup
+    # removed most of the gap (measured 71%)
+    assert c["ch02/lr_seeds"] >= 5
+    for key in ("ch02/no_warmup_minus_warmup_error", "ch02/no_warmup_minus_small_batch_error",
+                "ch02/max_loss_ratio_no_warmup_minus_warmup"):
+        mean, se = c[key]
+        assert se > 0 and mean > 2 * se, key
     ratios = c["ch02/max_loss_over_first"]
-    assert min(ratios["no_warmup"]) > 1.2 and max(ratios["warmup"]) <= 1.2
+    assert min(ratios["no_warmup"]) > 1 and max(ratios["warmup"]) <= 1.2
+    assert c["ch02/stalled_runs"]["no_warmup"] >= 1 and c["ch02/stalled_runs"]["warmup"] == 0
     assert c["ch02/warmup_gap_closed"] > 0.5
 
 

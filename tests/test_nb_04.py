@@ -44,22 +44,36 @@ def test_experiment_ran_and_at_full_profiles_bn_degrades_with_the_group(profile)
     c = notebook_claims("04")
     errors = c["ch04/test_error"]
     assert set(errors) == {"bn", "gn", "mabn"}
-    assert all(0 <= e <= 1 for per in errors.values() for runs in per.values() for e in runs)
-    assert len({tuple(runs) for runs in errors["gn"].values()}) == 1  # one GN run per seed serves every group size
+    runs = [e for per in errors.values() for each in per.values() for e in each]
+    runs += c["ch04/mabn_per_device_error"] + [c["ch04/gn_compare_error"]]
+    assert all(0 <= e <= 1 for e in runs)
+    assert len({tuple(each) for each in errors["gn"].values()}) == 1  # one GN run per seed serves every group size
+    for key in ("bn_rise", "gn_minus_bn_small", "mabn_per_device_minus_sequential"):
+        mean, se = c[f"ch04/{key}"]
+        assert -1 <= mean <= 1 and se >= 0
     if profile == "smoke":  # a few steps of training: only the mechanism is asserted
         return
     # the batch (32), the optimizer and the steps are fixed; only the images per device that BN and MABN
-    # normalise over change (32, 8, 2). Measured at cpu over seeds 0-2: BN 6.8 / 8.7 / 11.4 %.
-    assert len(errors["bn"]["2"]) >= 3
-    # BN gets worse on every seed, and beyond the seed spread: its best seed at 2 is worse than its worst at 32
-    assert c["ch04/bn_rise_min"] > 0
-    assert c["ch04/bn_small_min_minus_large_max"] > 0
-    # 8 images per device lie in between on average
-    middle = sum(c["ch04/bn_rise_to_middle"]) / len(c["ch04/bn_rise_to_middle"])
-    assert 0 < middle < c["ch04/bn_error_rise"]
-    # in this short training GN's flat level sits above BN's even at 2 images per device (measured 16.6 % vs 11.4 %)
-    assert c["ch04/gn_minus_bn_small"] > 0
-    # MABN degrades beyond its seed spread (measured 11.2 / 22.3 / 42.1 %), and at 2 images per device a buffer of
-    # 4 batches beats one of 16 on every seed: stale averages, not too few images, are what hurt it here
-    assert c["ch04/mabn_small_min_minus_large_max"] > 0
-    assert all(d < 0 for d in c["ch04/mabn_fresh_minus_full_buffer"])
+    # normalise over change (32, 2). Every claim is on seed-by-seed differences over 5 seeds, beyond twice their
+    # standard error: [mean, standard error]
+    assert len(errors["bn"]["2"]) >= 5 and len(c["ch04/mabn_per_device_error"]) >= 2
+
+    def shown(key: str) -> float:
+        mean, se = c[f"ch04/{key}"]
+        assert se > 0 and abs(mean) > 2 * se, (key, mean, se)
+        return mean
+
+    # BN gets worse with 2 images per device (measured +4.8 +- 1.4 points: 7.6 % -> 12.5 %)
+    assert shown("bn_rise") > 0
+    # GN, with groups of 2 channels, is ahead of BN at 2 images per device (measured -4.8 +- 0.7 points), as in
+    # Wu & He; at 32 it is level with BN (measured +0.1 +- 1.0; the text says within the spread: not asserted)
+    assert shown("gn_minus_bn_small") < 0
+    # and groups of 4 channels were far worse on the first seed, beyond GN's seed-to-seed spread (measured 17.4 %
+    # against 7.9 %, seed-to-seed std 1.4): the group setting, not GN itself, put it behind BN before
+    assert c["ch04/gn_compare_minus_chosen_seed0"] > 2 * c["ch04/gn_seed_std"] > 0
+    # MABN with per-device buffers (16 steps old) is worse than with its groups run in sequence (one step old;
+    # measured 39.2 / 39.9 % against 24.3 / 16.9 % on seeds 0 and 1)
+    assert shown("mabn_per_device_minus_sequential") > 0
+    # MABN at 32 images (one group, a buffer of one batch) is behind BN in this short training (measured +7.2 +- 0.9
+    # points); its own rise to 2 images was within its spread (+1.3 +- 2.4: the text does not claim one)
+    assert shown("mabn_minus_bn_large") > 0

@@ -294,6 +294,57 @@ def test_grouped_mabn_keeps_each_groups_moving_averages():
         grouped(torch.randn(4, 3, 4, 4, dtype=torch.float64))
 
 
+def _two_layer_net(norm: nn.Module) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), copy.deepcopy(norm), nn.ReLU(),
+                         norms.CenConv2d(4, 4, 3, padding=1), copy.deepcopy(norm), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3)).double()
+
+
+@pytest.mark.parametrize("m", [2, 4, 6])  # a buffer shorter than, as long as and longer than the step's 4 groups
+def test_sequential_mabn_equals_micro_batches_run_one_after_another(m):
+    """sequential=True on a batch of 4 groups of 2 = the plain layer on 4 micro-batches of 2, accumulated."""
+    options = dict(buffer_size=m, warmup_steps=3, renorm_warmup=7, clip=1.5, momentum=0.9)  # both warm-ups crossed
+    grouped = _two_layer_net(norms.MABN2d(4, group_size=2, sequential=True, **options))
+    micro = _two_layer_net(norms.MABN2d(4, **options))
+    opts = [torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9) for net in (grouped, micro)]
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):  # 16 micro-batches
+        x = torch.randn(8, 3, 5, 5, generator=gen, dtype=torch.float64)
+        y = torch.randint(0, 3, (8,), generator=gen)
+        for opt in opts:
+            opt.zero_grad()
+        F.cross_entropy(grouped(x), y).backward()
+        for xs, ys in zip(x.split(2), y.split(2)):
+            (F.cross_entropy(micro(xs), ys) / 4).backward()
+        for a, b in zip(grouped.parameters(), micro.parameters()):
+            assert torch.allclose(a.grad, b.grad, atol=1e-10)
+        for opt in opts:
+            opt.step()
+    for i in (1, 4):
+        a, b = grouped[i], micro[i]
+        assert a.step == b.step == 16
+        assert a.stat_buffer.shape == (m, 1, 4)
+        assert torch.allclose(a.running_var, b.running_var, atol=1e-10)
+        for name in ("stat_buffer", "grad_buffer"):  # the plain layer's ring starts at slot step % m
+            assert torch.allclose(getattr(a, name), getattr(b, name).roll(-(b.step % m), 0), atol=1e-10)
+
+
+def test_sequential_mabn_spans_the_previous_step_and_per_device_mabn_does_not():
+    """With m = groups, group 0 averages this step's first group with the previous step's last m - 1;
+    a device's buffer instead holds its own last m steps."""
+    torch.manual_seed(0)
+    seq = norms.MABN2d(1, buffer_size=4, warmup_steps=0, renorm_warmup=10**9, group_size=1, sequential=True)
+    dev = norms.MABN2d(1, buffer_size=4, warmup_steps=0, renorm_warmup=10**9, group_size=1)
+    steps = [torch.randn(4, 1, 3, 3) for _ in range(5)]
+    for x in steps:
+        for layer in (seq, dev):
+            layer(x).sum().backward()
+    chi = torch.stack([x.pow(2).mean((1, 2, 3)) for x in steps])  # (steps, images): each image is a group
+    assert torch.allclose(seq.stat_buffer[:, 0, 0], chi[-1])  # the last 4 micro-batches: this step's 4 groups
+    assert torch.allclose(dev.stat_buffer[:, :, 0].sort(0).values, chi[-4:].sort(0).values)  # each device's 4 steps
+
+
 # ----- weight centralisation -----------------------------------------------------------
 
 
