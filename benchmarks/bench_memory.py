@@ -1,6 +1,6 @@
 """Chapter 01: the activation estimator against the saved-tensor measurement, on the course's models.
 
-- ``estimator_error``: the worst relative error of ``memory.estimate`` in fp32 over the MLP, the ResNet with
+- ``estimator_error``: the worst relative error of ``estimator.estimate`` in fp32 over the MLP, the ResNet with
   BatchNorm, GroupNorm and MABN, and the tiny transformer with dropout, at chapter-01 sizes.
 - ``estimator_error_bf16``: the same under bf16 autocast (``precision="bf16"``).
 Measured on the GPU when there is one, else on the CPU, with the estimator told which: autocast's op lists
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from course_lib import memory, norms
+from course_lib import estimator, memory, norms
 from course_lib.models import MLP, ResNet, TinyTransformer, lm_loss
 
 
@@ -36,7 +36,7 @@ def run() -> dict[str, dict]:
             model = model.to(device)
             with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
                 measured = memory.saved_activation_bytes(lambda: loss_fn(model(x), y), exclude=model.parameters())
-            estimated = memory.estimate(model, tuple(x.shape), precision=precision, device=device)["activations"]
+            estimated = estimator.estimate(model, tuple(x.shape), precision=precision, device=device)["activations"]
             worst = max(worst, abs(estimated - measured) / measured)
         name = "estimator_error" if precision == "fp32" else "estimator_error_bf16"
         table[name] = {"value": worst, "goal": "<= 0.05"}

@@ -9,7 +9,7 @@ listed above it:
 - ``memory``: bytes counted exactly (parameters, gradients, optimizer state, saved activations), ZeRO's formula,
   peaks and the curve of allocated bytes over a step (chapters 01, 05, 08, 11);
 - ``estimator``: the same bytes predicted from the model and the batch shape alone (chapters 01, 11);
-- ``train``: one training loop, ``fit``, and the bare accumulation step (chapters 02-03);
+- ``train``: one training loop, ``fit``, and the bare accumulation step (chapters 02-05);
 - ``norms``: GroupNorm by hand, MABN, BatchNorm folding (chapter 04);
 - ``checkpointing``: segment plans, checkpointed forwards, selective checkpointing (chapter 05);
 - ``distributed/``: data parallelism by hand (chapter 06), pipelines (07), ZeRO and FSDP2 (08), tensor and

@@ -1,4 +1,4 @@
-"""Exact byte accounting and a memory estimator (chapter 01).
+"""Bytes counted exactly, and peaks measured (chapter 01; the peaks and timelines of chapters 05, 08 and 11).
 
 Training memory has four parts:
 
@@ -9,19 +9,17 @@ Training memory has four parts:
 - activations: the tensors autograd saves during the forward pass for use in
   the backward pass. They grow with the batch and usually dominate.
 
-``measure`` counts what really exists; ``estimate`` predicts it from the model
-and the batch shape alone, layer by layer, without running the computation,
-in fp32 or under bf16 autocast (whose saved tensors are partly bf16, partly
-fp32, and not quite the same on the CPU and on CUDA: see the estimator's notes).
-``attention_saved_bytes`` is its formula for an attention layer, naive or fused
-(chapter 11). ``peak_bytes`` measures a peak; ``memory_timeline`` the whole curve
-of allocated bytes over a step, with its phases (chapter 11's pictures).
+``measure`` counts what really exists after a step; ``zero_memory`` is ZeRO's
+formula for the first three parts on many devices. ``peak_bytes`` measures the
+peak during a step (CUDA's statistics, or on the CPU the profiler's allocation
+records), ``memory_timeline`` the whole curve of allocated bytes over a step,
+with its phases; both read the records with ``replay_allocations``.
+``largest_fitting`` searches the largest size that fits (chapter 02). The same
+bytes predicted without running anything are in ``estimator``.
 """
 
 from __future__ import annotations
 
-import copy
-import math
 import os
 import sys
 from contextlib import contextmanager
@@ -32,10 +30,8 @@ from typing import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from course_lib.models import CausalSelfAttention
-
 GB = 1e9  # the ZeRO paper reports decimal gigabytes
-OPTIMIZER_STATES = {"sgd": 0, "momentum": 1, "adam": 2}  # fp32 buffers per parameter
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}  # precision -> autocast dtype (None: no autocast)
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -58,6 +54,22 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(
         tensor_bytes(v) for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)
     )
+
+
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    """The autocast dtype of a precision name: None for ``"fp32"``, ``torch.bfloat16`` for ``"bf16"``."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}: choose 'fp32' or 'bf16' (bf16 autocast)")
+    return PRECISIONS[precision]
+
+
+def device_type(device: torch.device | str) -> str:
+    """``"cpu"`` or ``"cuda"``: the devices whose memory the course measures and estimates."""
+    kind = torch.device(device).type
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"the course measures and estimates memory on 'cpu' and 'cuda' (autocast's op lists and "
+                         f"dropout's mask differ between them), not on {kind!r}")
+    return kind
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -96,7 +108,7 @@ def measure(model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], to
 
     ``precision="bf16"`` runs the forward pass under bf16 autocast on the inputs' device.
     """
-    amp = _autocast_dtype(precision)
+    amp = autocast_dtype(precision)
     optimizer.zero_grad(set_to_none=True)
     holder: list[torch.Tensor] = []
 
@@ -113,237 +125,6 @@ def measure(model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], to
     return out
 
 
-# ----- the estimator -------------------------------------------------------------
-# What each layer saves for its backward pass, as (key, bytes) pairs. Running a
-# copy of the model on the "meta" device gives shapes (and dtypes) without
-# computing anything. A key is the saved tensor itself when a later layer may
-# save the same one (a ReLU's output that the next convolution also saves is
-# counted once, as autograd does), ``None`` for a tensor only this layer makes
-# (statistics, masks, autocast's low-precision copies), always counted.
-#
-# Under autocast each op runs in a dtype chosen from PyTorch's op lists
-# (https://pytorch.org/docs/stable/amp.html#autocast-op-reference; the source of
-# truth is aten/src/ATen/autocast_mode.cpp). For the course's layers:
-# - on both devices linear, matmul and convolutions run in the low-precision dtype; they
-#   save a low-precision copy of their input (unless it is one already) and of their weight;
-# - on CUDA layer_norm, group_norm, softmax and nll_loss run in fp32 (log_softmax too, but
-#   not inside cross_entropy, which passes it a dtype); on the CPU the norms and softmax keep
-#   their input's dtype, and cross_entropy runs in fp32 as a whole;
-# - everything else (ReLU, GELU, BatchNorm, MABN, dropout, additions, embeddings) keeps its
-#   input's dtype, the widest when it has several: bf16 + fp32 gives fp32.
-# Checked against saved-tensor hooks under CPU autocast (tests/test_memory.py), and under
-# CUDA autocast with fake tensors (FakeTensorMode: CUDA's dispatch without a GPU).
-
-LOW, FP32_ON_CUDA, SAME = "low", "fp32 on cuda", "same"  # how autocast runs an op (see above)
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}  # precision -> autocast dtype (None: no autocast)
-
-
-def _autocast_dtype(precision: str) -> torch.dtype | None:
-    if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}: choose 'fp32' or 'bf16' (bf16 autocast)")
-    return PRECISIONS[precision]
-
-
-def _device_type(device: torch.device | str) -> str:
-    kind = torch.device(device).type
-    if kind not in ("cpu", "cuda"):
-        raise ValueError(f"the estimator knows what is saved on 'cpu' and 'cuda' (autocast's op lists and dropout's "
-                         f"mask differ between them), not on {kind!r}")
-    return kind
-
-
-def _run_dtype(policy: str, dtype: torch.dtype, amp: torch.dtype | None, device: str) -> torch.dtype:
-    """The dtype an op of this policy runs in, given its input's dtype; ``amp``: autocast's dtype, or None."""
-    if amp is None or not dtype.is_floating_point:
-        return dtype
-    if policy == LOW:
-        return amp
-    if policy == FP32_ON_CUDA and device == "cuda":
-        return torch.float32
-    return dtype
-
-
-def _policy(module: nn.Module) -> str:
-    if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d)):
-        return LOW
-    if isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.Softmax)):
-        return FP32_ON_CUDA
-    return SAME
-
-
-def _as(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor | None, int]:
-    """``x`` as an op that runs in ``dtype`` saves it: itself, or autocast's new copy."""
-    return (x if x.dtype == dtype else None, x.numel() * dtype.itemsize)
-
-
-def _is_mabn(module: nn.Module) -> bool:
-    # norms.MABN2d (chapter 04) sits below this module, so it is recognised by its two buffers, not imported.
-    return hasattr(module, "stat_buffer") and hasattr(module, "grad_buffer")
-
-
-def _layer_saves(module: nn.Module, x: torch.Tensor, out: torch.Tensor, amp: torch.dtype | None,
-                 device: str) -> list[tuple[object, int]]:
-    d = _run_dtype(_policy(module), x.dtype, amp, device) if torch.is_tensor(x) else None
-    if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d)):
-        saves = [_as(x, d)]                                  # the input, for the weight gradient
-        w = module.weight
-        # the weight, for the input gradient: the parameter itself (not an activation) unless autocast
-        # cast it (a bf16 copy) or the layer derives it (norms.CenConv2d's centred weight). A Linear keeps it
-        # only when its input needs a gradient; a convolution always does.
-        derived = hasattr(module, "centered_weight") or d != w.dtype
-        if derived and (x.requires_grad or not isinstance(module, nn.Linear)):
-            saves.append((None, w.numel() * d.itemsize))
-        return saves
-    if isinstance(module, (nn.ReLU, nn.Sigmoid, nn.Tanh, nn.Softmax)):
-        return [(out, tensor_bytes(out))]      # the output: the derivative needs it
-    if isinstance(module, (nn.GELU, nn.SiLU)):
-        return [(x, tensor_bytes(x))]           # the input: the derivative needs it
-    if isinstance(module, nn.modules.batchnorm._BatchNorm):
-        running = 2 if module.running_mean is not None else 0
-        return [_as(x, d), (None, (2 + running) * x.shape[1] * 4)]  # input; fp32 mean, invstd, running stats
-    if _is_mabn(module):
-        return [(x, tensor_bytes(x)), (None, 2 * x.shape[1] * 4)]  # input; 1/s and r per channel
-    if isinstance(module, nn.LayerNorm):
-        rows = x.numel() // math.prod(module.normalized_shape)
-        return [_as(x, d), (None, 2 * rows * 4)]              # input; fp32 mean and rstd per row
-    if isinstance(module, nn.GroupNorm):
-        return [_as(x, d), (None, 2 * x.shape[0] * module.num_groups * 4)]
-    if isinstance(module, nn.Embedding):
-        return [(x, tensor_bytes(x))]           # the integer indices
-    if isinstance(module, nn.Dropout) and module.p > 0:
-        # the keep-mask: CUDA's fused kernel saves bool, the CPU a mask in the input's dtype
-        return [(None, out.numel() * (1 if device == "cuda" else x.element_size()))]
-    if isinstance(module, nn.MaxPool2d):
-        return [(x, tensor_bytes(x)), (None, out.numel() * 8)]  # input; int64 argmax indices
-    if isinstance(module, CausalSelfAttention):
-        B, T, C = x.shape
-        low = _run_dtype(LOW, x.dtype, amp, device)          # q, k, v come out of a Linear
-        dropout = module.dropout > 0 and module.training
-        return [(None, attention_saved_bytes(B, T, C, module.n_heads, low, fused=module.fused, dropout=dropout,
-                                             autocast=amp is not None, device=device))]
-    return []
-
-
-def attention_saved_bytes(batch: int, seq: int, d_model: int, n_heads: int, dtype: torch.dtype = torch.float32,
-                          *, fused: bool = False, dropout: bool = False, autocast: bool = False,
-                          device: str = "cpu") -> int:
-    """Bytes the core of one causal self-attention layer saves for backward (chapters 01, 11).
-
-    The core is everything between the ``qkv`` and ``proj`` Linear layers; ``dtype``
-    is the dtype q, k and v come in (bf16 under bf16 autocast). The naive layer
-    saves q, k, v, the causal mask and the ``(B, H, T, T)`` softmax (on CUDA under
-    autocast in fp32, and then a bf16 copy for ``att @ v``), with dropout its mask
-    and the dropped-out matrix: quadratic in ``T``. The fused kernel
-    (``F.scaled_dot_product_attention``) saves q, k, v, its output and one fp32
-    log-sum-exp per row: linear in ``T``. Which kernel runs, and what it saves:
-
-    - the CPU: its flash kernel; with dropout it has none and falls back to the math
-      path, in fp32 (16-bit inputs are upcast): q, k, v and three (B, H, T, T) tensors;
-    - CUDA (PyTorch's default order): flash attention for 16-bit inputs (sm80 or later),
-      memory-efficient attention for fp32, which pads the log-sum-exp to a multiple of
-      32 rows and writes its output as (B, T, H, hd), so that ``proj`` saves a view of
-      it, counted there. Both keep a few bytes of RNG state, left out.
-    """
-    device = _device_type(device)
-    B, T, C, H, size = batch, seq, d_model, n_heads, dtype.itemsize
-    if fused and dropout and device == "cpu":
-        f32 = max(size, 4)
-        return 3 * B * T * C * f32 + 3 * B * H * T * T * f32
-    if fused and device == "cuda" and dtype == torch.float32:  # memory-efficient attention
-        return 3 * B * T * C * 4 + B * H * 32 * math.ceil(T / 32) * 4
-    if fused:
-        return 4 * B * T * C * size + B * H * T * 4
-    soft = 4 if autocast and device == "cuda" else size         # softmax: fp32 on CUDA under autocast
-    saved = 3 * B * T * C * size + T * T + B * H * T * T * soft  # q, k, v; the bool mask; the softmax output
-    if dropout:  # its keep-mask (CUDA's fused dropout: bool; the CPU: the input's dtype), the dropped-out matrix
-        saved += B * H * T * T * ((1 if device == "cuda" else soft) + size)
-    elif soft != size:  # att @ v saves autocast's bf16 copy of the fp32 softmax
-        saved += B * H * T * T * size
-    return saved
-
-
-def _loss_saves(logits: torch.Tensor, amp: torch.dtype | None, device: str) -> int:
-    """cross_entropy = log_softmax (saves its output) + nll_loss (saves that output and the int64 targets)."""
-    n, rows = logits.numel(), logits.numel() // logits.shape[-1]
-    if amp is None or logits.dtype == torch.float32:
-        return n * logits.element_size() + rows * 8
-    if device == "cuda":
-        # CUDA has no entry for cross_entropy: log_softmax runs in bf16 (it is given an explicit dtype), then
-        # nll_loss (on the fp32 list) saves an fp32 copy of it too.
-        return n * (logits.dtype.itemsize + 4) + rows * 8
-    return n * 4 + rows * 8  # the CPU list has cross_entropy_loss: one fp32 log_softmax
-
-
-def _leaf_like(module: nn.Module) -> bool:
-    return len(list(module.children())) == 0 or isinstance(module, CausalSelfAttention)
-
-
-def estimate_activation_bytes(model: nn.Module, batch_shape: tuple[int, ...],
-                              autocast_dtype: torch.dtype | None = None, device: str = "cpu",
-                              with_loss: bool = True) -> int:
-    """Predict saved-activation bytes of one forward pass plus the cross-entropy loss.
-
-    ``autocast_dtype`` (e.g. ``torch.bfloat16``): the forward runs under
-    ``torch.autocast(device, dtype=...)``. ``device`` (``"cpu"`` or ``"cuda"``)
-    matters for dropout's mask and for which ops autocast runs in fp32.
-    """
-    device = _device_type(device)
-    meta = copy.deepcopy(model).to("meta").train()
-    is_tokens = any(isinstance(m, nn.Embedding) for m in meta.modules())
-    x = torch.empty(batch_shape, dtype=torch.long if is_tokens else torch.float32, device="meta")
-    saved: dict[int, int] = {}
-    keep: list[object] = []  # keeps every key alive, so no id is reused
-
-    def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-        inp = args[0] if args else None
-        if torch.is_tensor(inp) and torch.is_tensor(out) and out.is_floating_point():
-            # Give the output the dtype autocast would: later layers then see (and save) that dtype.
-            out = out.to(_run_dtype(_policy(module), out.dtype, autocast_dtype, device))
-        for key, nbytes in _layer_saves(module, inp, out, autocast_dtype, device):
-            key = object() if key is None else key
-            keep.append(key)
-            saved[id(key)] = nbytes
-        return out
-
-    inside = {id(m.attn_drop) for m in meta.modules() if isinstance(m, CausalSelfAttention)}  # counted with it
-    handles = [m.register_forward_hook(hook) for m in meta.modules() if _leaf_like(m) and id(m) not in inside]
-    try:
-        with torch.enable_grad():  # which inputs need a gradient decides what a Linear keeps
-            logits = meta(x)
-    except Exception as exc:
-        raise ValueError(f"batch shape {tuple(batch_shape)} does not fit {type(model).__name__}: {exc}") from exc
-    finally:
-        for h in handles:
-            h.remove()
-    loss = _loss_saves(logits, autocast_dtype, device) if with_loss else 0
-    return sum(saved.values()) + loss
-
-
-def estimate(model: nn.Module, batch_shape: tuple[int, ...], optimizer: str = "adam",
-             precision: str = "fp32", device: torch.device | str = "cpu") -> dict[str, int]:
-    """Predict the bytes of one training step: ``params``, ``grads``, ``optimizer``, ``activations``, ``total``.
-
-    ``optimizer``: ``"sgd"``, ``"momentum"`` or ``"adam"``. ``precision``:
-    ``"fp32"``, or ``"bf16"`` for bf16 autocast on ``device`` (fp32 weights,
-    gradients and optimizer state; the activations follow autocast's op lists
-    for that device, and include the bf16 copies of the weights it saves).
-    """
-    if optimizer not in OPTIMIZER_STATES:
-        raise ValueError(f"unknown optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZER_STATES)}")
-    amp = _autocast_dtype(precision)
-    params = list(model.parameters())
-    p_bytes = sum(tensor_bytes(p) for p in params)
-    trainable = [p for p in params if p.requires_grad]
-    g_bytes = sum(tensor_bytes(p) for p in trainable)
-    o_bytes = OPTIMIZER_STATES[optimizer] * g_bytes
-    if optimizer == "adam":
-        o_bytes += 4 * len(trainable)  # torch.optim.Adam keeps a float32 scalar 'step' per tensor
-    acts = estimate_activation_bytes(model, batch_shape, autocast_dtype=amp, device=device)
-    out = {"params": p_bytes, "grads": g_bytes, "optimizer": o_bytes, "activations": acts}
-    out["total"] = sum(out.values())
-    return out
-
-
 def zero_memory(num_params: float, num_devices: int, stage: int, optimizer_multiplier: float = 12, *,
                 param_bytes: float = 2, grad_bytes: float = 2) -> float:
     """Bytes per device of the model states under ZeRO (Rajbhandari et al. 2020, Figure 1).
@@ -353,7 +134,7 @@ def zero_memory(num_params: float, num_devices: int, stage: int, optimizer_multi
     momentum, variance). Stage 1 shards the K bytes over the devices, stage 2
     the gradients too, stage 3 the weights too; stage 0 is plain data
     parallelism. Activations are not included. This is the course's one ZeRO
-    formula: ``distributed.zero.zero_bytes_per_rank`` splits it into its parts.
+    formula: ``distributed.zero.zero_bytes_per_rank`` splits it into its parts (chapter 08).
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
@@ -367,16 +148,6 @@ def zero_memory(num_params: float, num_devices: int, stage: int, optimizer_multi
 
 
 # ----- peak memory -----------------------------------------------------------------
-
-
-def cuda_peak_bytes(fn: Callable[[], object], device: torch.device | str = "cuda") -> int:
-    """Peak CUDA memory allocated while ``fn()`` runs, above what was allocated before."""
-    torch.cuda.synchronize(device)
-    base = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    fn()
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - base
 
 
 @contextmanager
@@ -418,20 +189,41 @@ class MemoryTimeline:
         return max([0, *(b for t, b in zip(self.seconds, self.live_bytes) if start <= t <= end)])
 
 
+def replay_allocations(records: Iterable[tuple[int, int]]) -> list[int]:
+    """Live bytes above the start after each ``(address, bytes)`` record: an allocation (bytes > 0) or a free.
+
+    A free is matched to its allocation by address. The profiler records only what happens on the threads it
+    runs in: a tensor made here but freed on another thread (gloo's workers free the buffers of a collective)
+    leaves no free behind. Its block is known to be gone, at the latest, when the allocator hands out the same
+    address again; one freed unseen and never reused counts to the end (an upper bound). A free with no
+    allocation seen is of a block made before: CUDA's allocator records those, and the curve goes below the start.
+    """
+    live: dict[int, int] = {}
+    now, curve = 0, []
+    for address, nbytes in records:
+        if nbytes > 0:
+            now -= live.pop(address, 0)  # an address handed out again: the block there was freed unseen
+            live[address] = nbytes
+            now += nbytes
+        else:
+            now -= live.pop(address, -nbytes)
+        curve.append(now)
+    return curve
+
+
 def memory_timeline(fn: Callable[[], object], device: torch.device | str = "cpu",
                     phases: Iterable[str] = ("forward", "backward")) -> MemoryTimeline:
     """Every allocation and free of ``device``'s allocator while ``fn()`` runs, in time order.
 
-    Replays the profiler's allocation records, so it sees temporaries that live
-    only inside an op. Frees of tensors made before ``fn`` are recorded without
-    their allocation and can take the curve below zero. The parts of ``fn``
-    wrapped in ``torch.profiler.record_function(name)`` for a name in ``phases``
-    come back as time ranges. The profiler slows the step down: the time axis
-    orders events, it does not time them.
+    Replays the profiler's allocation records (``replay_allocations``), so it sees temporaries that live only
+    inside an op. On the CPU, tensors made before ``fn`` are not seen at all, not even their frees. The parts of
+    ``fn`` wrapped in ``torch.profiler.record_function(name)`` for a name in ``phases`` come back as time ranges.
+    The profiler slows the step down: the time axis orders events, it does not time them.
     """
+    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
-    kind = _device_type(device)
+    kind = device_type(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if kind == "cuda" else [])
     prof = profile(activities=activities, profile_memory=True)
     with _quiet_native_stderr():
@@ -443,33 +235,40 @@ def memory_timeline(fn: Callable[[], object], device: torch.device | str = "cpu"
     finally:
         with _quiet_native_stderr():
             prof.stop()
-    wanted = {torch.autograd.DeviceType.CPU if kind == "cpu" else torch.autograd.DeviceType.CUDA}
-    events = list(prof.profiler.kineto_results.events())
-    # The raw records, not ``prof.events()``: there an allocation made inside
-    # an op is folded into that op's totals and its moment is lost.
-    records = sorted(((e.start_ns(), e.nbytes()) for e in events
-                      if e.name() == "[memory]" and e.device_type() in wanted),
-                     key=lambda r: r[0])  # stable: records at the same nanosecond keep their order
-    spans = {e.name(): (e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() in set(phases)}
-    t0 = min([t for t, _ in records] + [a for a, _ in spans.values()], default=0)
-    live, curve = 0, []
-    for _, nbytes in records:
-        live += nbytes
-        curve.append(live)
-    return MemoryTimeline([(t - t0) / 1e9 for t, _ in records], curve,
+    # The tree of recorded events, not ``prof.events()``: there an allocation made inside an op is folded into
+    # that op's totals, and its moment and address are lost.
+    records, spans, wanted = [], {}, set(phases)
+    stack = list(reversed(prof.profiler.kineto_results.experimental_event_tree()))
+    while stack:
+        node = stack.pop()
+        stack.extend(reversed(node.children))  # depth first, each op's children in the order they ran
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == kind:
+            records.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
+        elif (node.tag == _EventType.TorchOp and node.name in wanted
+              and node.start_time_ns >= spans.get(node.name, (-1, -1))[0]):  # a phase opened twice: its last
+            spans[node.name] = (node.start_time_ns, node.end_time_ns)
+    records.sort(key=lambda r: r[0])  # stable: records at the same nanosecond keep the tree's order
+    t0 = min([t for t, _, _ in records] + [a for a, _ in spans.values()], default=0)
+    return MemoryTimeline([(t - t0) / 1e9 for t, _, _ in records],
+                          replay_allocations((address, nbytes) for _, address, nbytes in records),
                           {name: ((a - t0) / 1e9, (b - t0) / 1e9) for name, (a, b) in spans.items()})
 
 
-def cpu_peak_bytes(fn: Callable[[], object]) -> int:
-    """Peak CPU memory allocated by PyTorch while ``fn()`` runs, above the start (see ``memory_timeline``)."""
-    return memory_timeline(fn, "cpu", phases=()).peak
-
-
 def peak_bytes(fn: Callable[[], object], device: torch.device | str) -> int:
-    """Peak bytes allocated while ``fn()`` runs: CUDA statistics on a GPU, profiler events on the CPU."""
-    if torch.device(device).type == "cuda":
-        return cuda_peak_bytes(fn, device)
-    return cpu_peak_bytes(fn)
+    """Peak bytes allocated on ``device`` while ``fn()`` runs, above what was allocated before.
+
+    On a GPU, CUDA's allocator statistics: exact, and cheap. On the CPU, the profiler's allocation records
+    replayed (``memory_timeline``): a tensor freed on a thread the profiler does not see (gloo's) stops
+    counting when its address is handed out again, so the figure is an upper bound there.
+    """
+    if device_type(device) == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    return memory_timeline(fn, "cpu", phases=()).peak
 
 
 @contextmanager

@@ -1,4 +1,4 @@
-"""One training loop for every chapter (chapters 02-09).
+"""One training loop for the single-process chapters (chapters 02-05).
 
 ``fit`` is a flat loop in the shape of nanoGPT's ``train.py``: for each optimizer step, fetch that step's
 micro-batches, run forward and backward on each (its loss weighted by its share of the samples), step the

@@ -142,7 +142,7 @@ def test_peak_memory_of_a_chain_follows_n_over_k_plus_k():
 
     def peak(model: nn.Module) -> float:
         blocks.zero_grad(set_to_none=True)
-        return memory.cpu_peak_bytes(lambda: model(x).sum().backward()) / unit
+        return memory.peak_bytes(lambda: model(x).sum().backward(), "cpu") / unit
 
     peak(blocks)  # warm-up
     plain, best = peak(blocks), peak(checkpointed_sequential(blocks, 4))
@@ -180,7 +180,7 @@ def test_checkpoint_blocks_modes_keep_gradients_and_order_memory():
         grads[mode] = torch.cat([p.grad.flatten() for p in model.parameters()])
         kept[mode] = memory.saved_activation_bytes(lambda: lm_loss(model(idx), tgt), exclude=model.parameters())
         model.zero_grad(set_to_none=True)
-        peaks[mode] = memory.cpu_peak_bytes(step)
+        peaks[mode] = memory.peak_bytes(step, "cpu")
     assert torch.equal(grads["full"], grads["none"])
     assert torch.equal(grads["selective"], grads["none"])
     assert peaks["full"] < peaks["selective"] < peaks["none"]

@@ -60,7 +60,7 @@ def test_peak_falls_with_chunks_as_predicted(shape):
             fn().backward()
         for t in (h, w, b):
             t.grad = None
-        return memory.cpu_peak_bytes(step)
+        return memory.peak_bytes(step, "cpu")
 
     plain = peak(lambda: F.cross_entropy(F.linear(h, w, b), y))
     assert plain == pytest.approx(chunked_loss.predict_loss_peak(N, V, d, 1), rel=0.01)  # 3 N V fp32 values

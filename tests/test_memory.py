@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from course_lib import memory, models, norms
+from course_lib import estimator, memory, models, norms
 from course_lib.models import MLP, ResNet, TinyTransformer, lm_loss
 
 
@@ -97,7 +97,7 @@ def _on(device: str, autocast_dtype: torch.dtype | None):
 def test_estimator_within_five_percent_of_measurement(name, precision, device):
     make, kind = COURSE_MODELS[name]
     for shape in SHAPES[kind]:
-        estimated = memory.estimate(make(), shape, precision=precision, device=device)["activations"]
+        estimated = estimator.estimate(make(), shape, precision=precision, device=device)["activations"]
         with _on(device, memory.PRECISIONS[precision]):
             torch.manual_seed(0)
             model = make()
@@ -118,7 +118,7 @@ def test_bf16_measure_keeps_fp32_states_and_halves_conv_activations():
     bf16 = memory.measure(model, F.cross_entropy, x, y, torch.optim.Adam(model.parameters()), precision="bf16")
     assert all(fp32[k] == bf16[k] for k in ("params", "grads", "optimizer"))  # autocast leaves them in fp32
     assert 0.45 < bf16["activations"] / fp32["activations"] < 0.55  # conv, BN and ReLU all save bf16 here
-    assert bf16["activations"] == pytest.approx(memory.estimate(model, (8, 3, 32, 32), precision="bf16")["activations"],
+    assert bf16["activations"] == pytest.approx(estimator.estimate(model, (8, 3, 32, 32), precision="bf16")["activations"],
                                                 rel=0.05)
 
 
@@ -130,7 +130,7 @@ def test_estimate_parts_and_optimizer_state_match_torch():
                       ("momentum", torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)),
                       ("adam", torch.optim.Adam(model.parameters()))]:
         measured = memory.measure(model, F.cross_entropy, x, y, opt)
-        est = memory.estimate(model, (4, 3, 32, 32), optimizer=name)
+        est = estimator.estimate(model, (4, 3, 32, 32), optimizer=name)
         assert measured["params"] == est["params"] == 4 * n
         assert measured["grads"] == est["grads"] == 4 * n
         assert measured["optimizer"] == est["optimizer"]
@@ -139,15 +139,15 @@ def test_estimate_parts_and_optimizer_state_match_torch():
 
 def test_estimate_rejects_bad_input():
     with pytest.raises(ValueError, match="unknown optimizer"):
-        memory.estimate(MLP(), (2, 3, 32, 32), optimizer="lion")
+        estimator.estimate(MLP(), (2, 3, 32, 32), optimizer="lion")
     with pytest.raises(ValueError, match="unknown precision 'fp16'"):
-        memory.estimate(MLP(), (2, 3, 32, 32), precision="fp16")
+        estimator.estimate(MLP(), (2, 3, 32, 32), precision="fp16")
     with pytest.raises(ValueError, match="not on 'mps'"):
-        memory.estimate(MLP(), (2, 3, 32, 32), device="mps")
+        estimator.estimate(MLP(), (2, 3, 32, 32), device="mps")
     with pytest.raises(ValueError, match="does not fit"):
-        memory.estimate(ResNet(8), (2, 1, 32, 32))  # one channel, the model wants three
+        estimator.estimate(ResNet(8), (2, 1, 32, 32))  # one channel, the model wants three
     with pytest.raises(ValueError, match="does not fit"):
-        memory.estimate(MLP(), (2, 3, 16, 16))
+        estimator.estimate(MLP(), (2, 3, 16, 16))
 
 
 def test_zero_memory_reproduces_the_paper():
@@ -177,8 +177,17 @@ def test_cpu_peak_sees_a_temporary():
         big = torch.ones(1_000_000)  # 4 MB, freed at the end of the function
         return big.sum()
 
-    peak = memory.cpu_peak_bytes(work)
+    peak = memory.peak_bytes(work, "cpu")
     assert 4_000_000 <= peak < 8_000_000
+
+
+def test_replay_allocations_matches_frees_by_address():
+    # a: 100 bytes at address 1, freed on a thread the profiler does not see; the allocator hands address 1
+    # out again (30 bytes): the 100 are gone by then. b: 50 bytes at 2, freed where seen. c: a free of a block
+    # made before the records began, which takes the curve below the start.
+    curve = memory.replay_allocations([(1, 100), (2, 50), (1, 30), (2, -50), (3, -20)])
+    assert curve == [100, 150, 80, 30, 10]
+    assert max(memory.replay_allocations([(1, 100), (2, 50), (1, 30)])) == 150  # not 180: a reuse is a free
 
 
 def test_memory_timeline_shows_the_phases_and_the_peak():
@@ -196,7 +205,7 @@ def test_memory_timeline_shows_the_phases_and_the_peak():
     assert tl.phases["forward"][1] <= tl.phases["backward"][0]
     assert tl.peak_in("forward") == 4_000_000 and tl.peak_in("backward") == tl.peak == 12_000_000
     assert tl.live_bytes[-1] == 0 and tl.seconds == sorted(tl.seconds)
-    assert memory.cpu_peak_bytes(step) == tl.peak
+    assert memory.peak_bytes(step, "cpu") == tl.peak
     with pytest.raises(KeyError, match="record_function"):
         tl.peak_in("optimizer")
 
@@ -204,13 +213,13 @@ def test_memory_timeline_shows_the_phases_and_the_peak():
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_attention_saved_bytes_naive_quadratic_fused_linear(device):
     def core(T, **kw):
-        return memory.attention_saved_bytes(2, T, 64, 4, fused=kw.pop("fused", False), device=device, **kw)
+        return estimator.attention_saved_bytes(2, T, 64, 4, fused=kw.pop("fused", False), device=device, **kw)
     # doubling T: the naive core tends to 4x (its T^2 terms), the fused one is exactly 2x
     assert core(1024) / core(512) > 3.5
     assert core(512, fused=True) == 2 * core(256, fused=True)
     assert core(512, fused=True) < core(512) / 5
     with pytest.raises(ValueError, match="not on 'mps'"):
-        memory.attention_saved_bytes(2, 8, 64, 4, device="mps")
+        estimator.attention_saved_bytes(2, 8, 64, 4, device="mps")
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -222,4 +231,4 @@ def test_attention_saved_bytes_is_what_the_layer_saves(fused):
         total = memory.saved_activation_bytes(lambda: layer(x), exclude=layer.parameters())
         # qkv's input x and proj's input (B, T, C); on the CPU the latter is a copy of the fused kernel's output
         linears = 2 * 4 * x.numel()
-        assert total - linears == memory.attention_saved_bytes(3, T, 32, 4, fused=fused)
+        assert total - linears == estimator.attention_saved_bytes(3, T, 32, 4, fused=fused)

@@ -109,11 +109,7 @@ def _last_statement(source: str) -> str:
 # Cells of other chapters still ending in echo clutter, by the start of their last statement: to be fixed, and
 # their entries removed, until this list is empty. A cell not listed here fails the test.
 KNOWN_ECHO: dict[str, list[str]] = {
-    "solutions/01_memory_anatomy.ipynb": ["torch.manual_seed(0)"],
-    "solutions/02_batch_size.ipynb": ["torch.manual_seed(0)"],
     "solutions/04_normalization.ipynb": ["torch.manual_seed(0)"],
-    "solutions/05_activation_checkpointing.ipynb": ["torch.manual_seed(0)"],
-    "solutions/06_data_parallel.ipynb": ["torch.manual_seed(0)"],
 }
 
 

@@ -25,7 +25,7 @@ def _grads_and_peak(model, idx, hooks=None):
     model.zero_grad(set_to_none=True)
     if hooks is not None and hasattr(hooks, "reset"):
         hooks.reset()
-    return grads, memory.cpu_peak_bytes(step)
+    return grads, memory.peak_bytes(step, "cpu")
 
 
 def test_offload_by_hand_keeps_gradients_and_takes_the_saves_off_the_allocator():
@@ -117,12 +117,12 @@ def test_offload_on_a_gpu_lowers_the_cuda_peak():
 
     for pin in (False, True):
         model.zero_grad(set_to_none=True)
-        plain = memory.cuda_peak_bytes(step(contextlib.nullcontext()))
+        plain = memory.peak_bytes(step(contextlib.nullcontext()), "cuda")
         model.zero_grad(set_to_none=True)
         hooks = offload.OffloadToHost(keep=model.parameters(), pin_memory=pin)
-        off = memory.cuda_peak_bytes(step(hooks))
+        off = memory.peak_bytes(step(hooks), "cuda")
         real = offload.CountedSaveOnCpu(pin_memory=pin)
         model.zero_grad(set_to_none=True)
-        torch_off = memory.cuda_peak_bytes(step(real))
+        torch_off = memory.peak_bytes(step(real), "cuda")
         assert off < 0.7 * plain and torch_off < 0.7 * plain
         assert real.copied_bytes > hooks.copied_bytes  # save_on_cpu copies the weights too

@@ -1,4 +1,4 @@
-"""Distributed training (chapters 06-08 and 10; the capstone, chapter 12, launches its workers).
+"""Distributed training (chapters 06-08 and 10; chapters 11 and 12 launch its workers too).
 
 - ``launch``: run worker modules under torchrun from a notebook or a test; the worker's init/report/shutdown.
 - ``results``: the dataclasses workers report, rebuilt on the parent's side with ``from_dict``.

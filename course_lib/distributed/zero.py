@@ -31,7 +31,6 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -321,45 +320,6 @@ def held_bytes(model: nn.Module, optimizer: object) -> dict[str, int]:
     return {"params": sum(local_bytes(p) for p in model.parameters()),
             "grads": sum(local_bytes(p.grad) for p in model.parameters()),
             "optimizer": sum(local_bytes(v) for s in inner.state.values() for v in s.values() if torch.is_tensor(v))}
-
-
-def rank_peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
-    """Peak bytes this rank allocates while ``fn()`` runs, above the start: CUDA statistics, or on the CPU
-    the profiler's allocation records replayed with every free matched to its allocation by address.
-
-    Why by address: gloo's worker threads free collective buffers (and the
-    temporary copies gloo makes of them) that the profiler records no free
-    for, since it only sees the threads it runs in. ``memory.cpu_peak_bytes``
-    would count those buffers as live to the end; here a block is known to be
-    gone at the latest when the allocator hands out its address again. A block
-    freed unseen and never reused still counts to the end: an upper bound.
-    """
-    if device.type == "cuda":
-        return memory.cuda_peak_bytes(fn, device)
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    prof.start()
-    try:
-        fn()
-    finally:
-        prof.stop()
-    records, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:  # every allocation and free, wherever it sits in the tree of ops
-        node = stack.pop()
-        stack.extend(node.children)
-        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
-            records.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
-    live: dict[int, int] = {}
-    now = peak = 0
-    for _, ptr, size in sorted(records):
-        now -= live.pop(ptr, 0)  # a free, or a reused address (the block there was freed unseen)
-        if size > 0:
-            live[ptr] = size
-            now += size
-        peak = max(peak, now)
-    return peak
 
 
 def count_fsdp_traffic(model: nn.Module, counter: comm.ByteCounter) -> int:

@@ -11,7 +11,7 @@ GPU then holds the activations and the blocks being computed, not the model
 states; the step pays the copies and a CPU optimizer step.
 
 Reported per mode (``none``, ``cpu``): the mean loss per step, every rank's
-state bytes on the device and on the host, its CUDA peak (``max_memory_allocated``)
+state bytes on the device and on the host, its CUDA peak (``memory.peak_bytes``, from building the model on)
 and the median step time, timed with CUDA events around the whole step (the CPU
 optimizer step included). Pinned memory needs CUDA: with ``--pin-memory 0`` the
 same code runs on CPU ranks (gloo), which checks that offload changes no loss;
@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from course_lib import memory
 from course_lib.distributed import launch
 from course_lib.models import lm_loss
 from course_lib.workers.zero_common import (RunConfig, build_model, gather_per_rank, local_batch, mean_over_ranks,
@@ -89,28 +90,34 @@ def run_mode(mode: str, cfg: RunConfig, rank: int, world: int, device: torch.dev
     """Train ``cfg.steps`` Adam steps with FSDP2, offloaded to the host or not."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    losses: list[float] = []
+    times: list[float] = []
+    held: dict[str, int] = {}
+
+    def train() -> None:
+        model = shard(build_model(cfg, device), offload=mode == "cpu", pin_memory=pin_memory)
+        opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)  # on the host's shards when offloaded
+        for s in range(cfg.steps):
+            x, y = local_batch(cfg, s, rank, world, device)
+            dist.barrier()
+            with StepTimer(device) as timer:
+                opt.zero_grad()
+                loss = lm_loss(model(x), y)
+                loss.backward()
+                opt.step()
+            times.append(timer.seconds)
+            losses.append(mean_over_ranks(loss.item(), device))
+        held.update(state_bytes(model, opt))
+
     if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    model = shard(build_model(cfg, device), offload=mode == "cpu", pin_memory=pin_memory)
-    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)  # on the host's shards when offloaded
-    losses, times = [], []
-    for s in range(cfg.steps):
-        x, y = local_batch(cfg, s, rank, world, device)
-        dist.barrier()
-        with StepTimer(device) as timer:
-            opt.zero_grad()
-            loss = lm_loss(model(x), y)
-            loss.backward()
-            opt.step()
-        times.append(timer.seconds)
-        losses.append(mean_over_ranks(loss.item(), device))
-    held = state_bytes(model, opt)
-    out = {"losses": losses, "device_state_bytes": gather_per_rank(held["cuda"]),
-           "host_state_bytes": gather_per_rank(held["cpu"]),
-           "step_s": statistics.median(times[1:] if len(times) > 1 else times)}
-    out["cuda_peak_bytes"] = gather_per_rank(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
-    return out
+        torch.cuda.empty_cache()  # the blocks the previous mode left cached are not this mode's
+        peak = gather_per_rank(memory.peak_bytes(train, device))  # the model's construction included
+    else:
+        train()
+        peak = None
+    return {"losses": losses, "device_state_bytes": gather_per_rank(held["cuda"]),
+            "host_state_bytes": gather_per_rank(held["cpu"]),
+            "step_s": statistics.median(times[1:] if len(times) > 1 else times), "cuda_peak_bytes": peak}
 
 
 def main() -> None:

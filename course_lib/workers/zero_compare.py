@@ -24,11 +24,11 @@ for starting the processes once):
 The peak per rank is what this rank holds at the start of the measured step
 (its model states and the batch: counted tensor by tensor) plus the highest
 transient above that during ``zero_grad``, forward, backward and ``step``
-(``zero.rank_peak_bytes``: CUDA statistics on a GPU, the profiler's
-allocation records on the CPU, paired by address, which also see gloo's
-temporary buffers). Every method keeps its gradient buffers (zeroed, not
-freed) from step to step, so what is resident at the start is exactly its
-model states; ``zero_grad`` still runs before the window as well, since the
+(``memory.peak_bytes``: CUDA statistics on a GPU, the profiler's
+allocation records on the CPU, paired by address, so that a buffer gloo's
+threads free unseen stops counting when its address is handed out again).
+Every method keeps its gradient buffers (zeroed, not freed) from step to
+step, so what is resident at the start is exactly its model states; ``zero_grad`` still runs before the window as well, since the
 CPU profiler cannot see the free of a tensor allocated before it started.
 
 Why float64 for the equality check: the attention's key bias has a true
@@ -57,7 +57,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from course_lib import memory
 from course_lib.distributed import comm, launch
 from course_lib.distributed.ddp import counting_allreduce_hook
-from course_lib.distributed.zero import ZeroOptimizer, count_fsdp_traffic, held_bytes, rank_peak_bytes
+from course_lib.distributed.zero import ZeroOptimizer, count_fsdp_traffic, held_bytes
 from course_lib.models import lm_loss
 from course_lib.workers.zero_common import (BucketTimeline, CompareResult, MethodResult, RunConfig, WorkerResult,
                                             build_model, gather_per_rank, global_batch, local_batch,
@@ -67,7 +67,7 @@ METHODS = ("ddp", "zero1", "zero2", "zero_redundancy", "fsdp2", "fsdp2_keep", "f
 EXACT_METHODS = ("ddp", "zero1", "zero2", "zero_redundancy", "fsdp2")  # fp32 ones, to repeat in float64
 # The steps whose peak is measured: from step 1 on Adam's state exists, and DDP rebuilds its buckets in the
 # forward of step 1 (freeing buffers allocated before the window, which the CPU profiler would not see).
-# Each measurement is an upper bound (``zero.rank_peak_bytes``); the lower of two is the tighter one.
+# Each measurement is an upper bound (``memory.replay_allocations``); the lower of two is the tighter one.
 MEASURED_STEPS = (2, 3)
 
 
@@ -189,7 +189,7 @@ def measure_step(m: _Method, x: torch.Tensor, y: torch.Tensor, device: torch.dev
     m.zero_grad()  # what the step's zero_grad frees, freed before the window (see the module docstring)
     resident = sum(m.held().values()) + memory.tensor_bytes(x) + memory.tensor_bytes(y)
     box: list[float] = []
-    transient = rank_peak_bytes(lambda: box.append(m.step(x, y)), device)
+    transient = memory.peak_bytes(lambda: box.append(m.step(x, y)), device)
     return resident, resident + transient, box[0]
 
 

@@ -1,0 +1,37 @@
+"""Plan a training configuration for a memory budget (chapter 12, the capstone): measure, predict, search.
+
+For every combination of precision (chapter 05), micro-batch with gradient accumulation (chapters 02-03),
+activation checkpointing (chapter 05), ZeRO stage (chapter 08), tensor-parallel size (chapter 10), and chapter
+11's fused attention, chunked loss and activation offload, predict the peak bytes per device and the step time;
+keep the fastest that fits. The package reads in that order:
+
+- ``config``: ``Config``, one way to run a step, the planner's answer;
+- ``step``: ``train_step`` runs a ``Config`` for real, ``measure_peak`` measures its peak (to verify a plan);
+- ``measure``: ``calibrate`` measures a model once, into ``Measurements``;
+- ``predict``: ``predict_peak``, ``comm_bytes``, ``predict_step_time``: arithmetic on the measurements;
+- ``search``: ``plan`` weighs every candidate, keeps the fastest that fits, and says why.
+
+Every public name is here too: ``planner.plan``, ``planner.Config``, ``planner.predict_peak``, ...
+"""
+
+from course_lib.planner.config import Config, pass_key
+from course_lib.planner.measure import (BatchFn, Layers, LmHead, Measurements, calibrate, default_batch, lm_head,
+                                        tp_sizes, transformer_layers)
+from course_lib.planner.predict import (DEFAULT_BANDWIDTH, DEFAULT_HOST_BANDWIDTH, DEFAULT_TP_BANDWIDTH,
+                                        FORWARD_SHARE, block_saves, comm_bytes, offload_bytes, predict_peak,
+                                        predict_step_time, tp_comm_bytes, tp_shares)
+from course_lib.planner.search import (DEFAULT_HEADROOM, MIN_CHUNK_TOKENS, TIMING_MAX_MICRO, Candidate, MiB, Plan,
+                                       plan, segment_options)
+from course_lib.planner.step import (LossFn, attention_kernel, autocast, checkpointing, measure_peak, offloading,
+                                     train_step)
+
+__all__ = [
+    "Config", "pass_key",
+    "LossFn", "attention_kernel", "autocast", "checkpointing", "measure_peak", "offloading", "train_step",
+    "BatchFn", "Layers", "LmHead", "Measurements", "calibrate", "default_batch", "lm_head", "tp_sizes",
+    "transformer_layers",
+    "DEFAULT_BANDWIDTH", "DEFAULT_HOST_BANDWIDTH", "DEFAULT_TP_BANDWIDTH", "FORWARD_SHARE", "block_saves",
+    "comm_bytes", "offload_bytes", "predict_peak", "predict_step_time", "tp_comm_bytes", "tp_shares",
+    "DEFAULT_HEADROOM", "MIN_CHUNK_TOKENS", "TIMING_MAX_MICRO", "Candidate", "MiB", "Plan", "plan",
+    "segment_options",
+]

@@ -1,0 +1,189 @@
+"""Predict a ``Config``'s peak bytes and step time from the ``Measurements``: arithmetic only (chapter 12, section 3).
+
+Checkpointing follows from the bytes one block saves (chapter 05; Chen et al. 2016: ``k - 1`` segment inputs
+kept, at most ``ceil(n/k)`` blocks rebuilt at once); ZeRO divides the states (``memory.zero_memory``) and adds
+what is in flight (chapter 08). Tensor parallelism over ``t`` of the ``world = d x t`` ranks splits the blocks'
+weights and what they save per sequence (``tp_costs``, chapter 10); ZeRO then runs over the ``d`` data-parallel
+ranks. Fused attention is another kernel, measured like a precision (its own line); offloading and the chunked
+loss are chapter 11's formulas on top of a measured pass (``offload.predict_offload_peak``,
+``chunked_loss.predict_loss_peak``). Time is relative, since timings on a busy machine are noisy:
+``A (alpha + beta m)(1 + recompute + extra head) + update + communication / bandwidth + offload traffic / host
+bandwidth``, with data parallelism's traffic (chapters 06 and 08) at an inter-node bandwidth and tensor
+parallelism's per-layer collectives at an intra-node one.
+"""
+
+from __future__ import annotations
+
+import math
+
+from course_lib import chunked_loss, offload
+from course_lib.checkpointing import recomputed_blocks, segment_plan
+from course_lib.distributed import tp_costs
+from course_lib.distributed.zero import zero_bytes_per_rank
+from course_lib.planner.config import Config
+from course_lib.planner.measure import Measurements
+
+# A backward costs about two forwards (6N FLOPs per token, 2N forward + 4N backward; Kaplan et al. 2020,
+# section 2.1): rerunning a forward costs a third of a step.
+FORWARD_SHARE = 1 / 3
+# Data parallelism's traffic (gradients; ZeRO-3's gathers): one PCIe 4.0 x16 link moves about 25 GB/s in
+# practice (nominal 32 GB/s), as does a 200 Gb/s InfiniBand port between nodes; pass your interconnect's measured
+# all-reduce bandwidth instead (chapter 06).
+DEFAULT_BANDWIDTH = 25e9
+# Tensor parallelism's per-layer collectives stay inside a node (chapter 10): NVLink 4 moves 450 GB/s each way
+# per H100 SXM GPU (NVIDIA's Hopper architecture page; nominal, a real all-reduce reaches less).
+DEFAULT_TP_BANDWIDTH = 450e9
+# Offloaded activations cross the host link twice per byte (chapter 11): PCIe 4.0 x16 again, about 25 GB/s in
+# practice (PCIe 5.0 x16 doubles it). ``offload.OffloadToHost`` copies on the compute stream: the copies add to
+# the step's time instead of hiding behind it.
+DEFAULT_HOST_BANDWIDTH = 25e9
+
+
+def tp_shares(meas: Measurements, config: Config, world_size: int) -> tuple[int, float, float]:
+    """(data-parallel ranks, share of the model states, share of one block's parameters) one rank keeps under
+    ``config.tp``-way tensor parallelism: ``1/t`` of the split weights and all of the others (chapter 10)."""
+    t, layers = config.tp, meas.layers
+    if t < 1 or world_size % t:
+        raise ValueError(f"tensor-parallel size {t} does not divide the {world_size} ranks")
+    if t == 1:
+        return world_size, 1.0, 1.0
+    if layers is None or layers.heads % t:
+        raise ValueError(f"tensor parallelism over {t} ranks needs transformer blocks whose heads {t} divides")
+    if config.sequence_parallel and layers.seq_len % t:
+        raise ValueError(f"sequence parallelism over {t} ranks cuts the sequence: {layers.seq_len} tokens do not "
+                         f"split; choose a sequence length divisible by {t}")
+    return (world_size // t, layers.split_share / t + 1 - layers.split_share,
+            layers.block_split_share / t + 1 - layers.block_split_share)
+
+
+def _measured(meas: Measurements, line: str, config: Config) -> tuple[float, float]:
+    """``config``'s measured line ``line`` (``fb``, ``block``, ``time``, ``loss``, ``packed``), or a clear error."""
+    lines = getattr(meas, line)
+    if config.pass_key not in lines:
+        what = {"loss": "the peak of the loss alone (measured for a loss that can be chunked)",
+                "packed": "the bytes offloading copies (measured by plan(..., offload=True))"}.get(
+                    line, f"the {config.pass_key} pass")
+        raise ValueError(f"these measurements lack {what} for {config.describe()}; they have {sorted(lines)}")
+    return lines[config.pass_key]
+
+
+def block_saves(meas: Measurements, config: Config) -> tuple[float, float, float]:
+    """Bytes one block saves for backward on one rank, ``(constant, per sample)``, and its output per sample.
+
+    Measured on the whole block; under tensor parallelism each rank keeps the share of the per-sample part that
+    ``tp_costs.saved_fraction_per_rank`` gives (torch's ``SequenceParallel``: gathered inputs saved), and with
+    sequence parallelism its shard of the output. The constant part (the causal mask; under autocast also bf16
+    weight copies, which TP would split too: an overestimate) stays whole.
+    """
+    const, per_sample = _measured(meas, "block", config)
+    boundary = meas.boundary_per_sample.get(config.pass_key, 0.0)
+    if config.tp == 1:
+        return const, per_sample, boundary
+    layers, sp = meas.layers, config.sequence_parallel
+    kept = tp_costs.saved_fraction_per_rank(layers.seq_len, layers.width, layers.heads, config.tp, sp,
+                                            act_bytes=2 if config.precision == "bf16" else 4, dropout=layers.dropout)
+    return const, per_sample * kept, boundary / (config.tp if sp else 1)
+
+
+def predict_peak(meas: Measurements, config: Config, world_size: int = 1) -> dict:
+    """Predicted peak bytes on one rank: ``params, grads, optimizer, batch, transient, total`` and ``where``.
+
+    ``transient`` is the larger of the forward/backward part (activations, temporaries, what ZeRO has in flight)
+    and the optimizer step's temporaries; ``where`` names it. The forward/backward part assumes the gradients
+    exist, as they do from the second micro-batch on: a single micro-batch is overstated by up to its gradients,
+    never understated (at any moment of its backward some exist, and no more activations than at the start).
+    Offload and the chunked loss are chapter 11's formulas: an offloaded pass keeps one block's saves of its ``n``
+    (an upper estimate: the backward brings them back one node at a time), and a chunked loss replaces the
+    measured peak of the whole loss by ``chunked_loss.predict_loss_peak``.
+    """
+    n, k, m, s = meas.n_blocks, config.segments, config.micro_batch, config.zero_stage
+    N, share, block_share = tp_shares(meas, config, world_size)  # N: the ranks ZeRO shards over
+    c, slope = _measured(meas, "fb", config)
+    _, per_sample, boundary = block_saves(meas, config)
+    fb = c + slope * m - n * (_measured(meas, "block", config)[1] - per_sample) * m  # TP: the blocks keep less
+    if k > 1:  # keep k-1 segment inputs; rebuild one segment (at most ceil(n/k) blocks) at a time
+        # Only the per-sample part of a block's saves goes: the constant part is bf16 weight copies (and
+        # buffers), which autocast's cache keeps to the end of the forward pass, checkpointed or not.
+        rebuilt = max(len(r) for r in segment_plan(n, k))
+        fb -= ((n - rebuilt) * per_sample - (k - 1) * boundary) * m
+    if config.offload:  # no recompute: the blocks' saves wait on the host (the constant part stays, as above)
+        fb = offload.predict_offload_peak(fb, n, per_sample * m)
+    if config.loss_chunks > 1:  # the whole loss's peak out, the chunked loss's in
+        whole_c, whole_d = _measured(meas, "loss", config)
+        lm = meas.lm
+        fb += (chunked_loss.predict_loss_peak(m * lm.tokens, lm.vocab, lm.width, config.loss_chunks)
+               - whole_c - whole_d * m)
+    # the states: ZeRO's formula, with the bytes one TP rank holds as the bytes of one "parameter"
+    states = zero_bytes_per_rank(share, N, s, meas.param_bytes, meas.grad_bytes, meas.optimizer_bytes)
+    in_flight = 0.0
+    if N > 1 and s == 2:  # ZeroOptimizer: one bucket's full gradient (plus gloo's copy of it) and its slice
+        in_flight = meas.bucket_bytes * share * (1 + meas.gloo + 1 / N)
+    elif N > 1 and s == 3:  # FSDP2: one block gathered, the next prefetched, one block's gradient (and gloo's copy)
+        in_flight = meas.unit_bytes * block_share * (3 + meas.gloo)
+    opt_tmp = meas.optimizer_tmp_bytes * share / (N if s >= 1 else 1)  # the update runs on this rank's shard
+    parts = dict(**states, batch=meas.batch_bytes_per_sample * m * config.accumulation_steps,
+                 transient=max(fb + in_flight, opt_tmp))
+    out: dict = {key: int(math.ceil(v)) for key, v in parts.items()}
+    out["total"] = sum(out.values())
+    out["where"] = "forward/backward" if fb + in_flight >= opt_tmp else "optimizer step"
+    return out
+
+
+def comm_bytes(param_bytes: int, config: Config, world_size: int) -> float:
+    """Bytes one rank sends per optimizer step, in ring collectives (chapter 08), accumulation included.
+
+    DDP (accumulating under ``no_sync``) and ZeRO-1 send twice the ring share ``(N-1)/N x P`` once per step.
+    Sharded gradients cannot accumulate locally: ZeRO-2 reduce-scatters after every micro-batch and all-gathers
+    once (A + 1); ZeRO-3 also gathers the parameters for every forward and backward (3A). (FSDP2's
+    ``set_requires_gradient_sync(False)`` keeps unsharded gradients instead: less traffic, more memory.)
+    """
+    share = (world_size - 1) / world_size * param_bytes
+    a = config.accumulation_steps
+    return share * {0: 2, 1: 2, 2: a + 1, 3: 3 * a}[config.zero_stage]
+
+
+def tp_comm_bytes(meas: Measurements, config: Config) -> float:
+    """Bytes one rank sends per optimizer step in tensor parallelism's per-layer collectives (chapter 10).
+
+    Four activation-sized collectives per block and micro-batch (``tp_costs.comm_bytes_per_layer``, gathered
+    inputs saved). Left out, as small: the gathers before the head and of the embedding's gradient, and under
+    sequence parallelism the once-per-step sum of the LayerNorms' gradients.
+    """
+    if config.tp == 1:
+        return 0.0
+    layers, act = meas.layers, 2 if config.precision == "bf16" else 4
+    per_block = tp_costs.comm_bytes_per_layer(layers.seq_len, config.micro_batch, layers.width, config.tp,
+                                              config.sequence_parallel, regather=False, act_bytes=act)
+    return config.accumulation_steps * meas.n_blocks * sum(per_block.values())
+
+
+def offload_bytes(meas: Measurements, config: Config) -> float:
+    """Bytes over the host link per optimizer step of an offloading ``config`` (``offload.offload_traffic_bytes``)."""
+    if not config.offload:
+        return 0.0
+    c, d = _measured(meas, "packed", config)
+    per_block = int(round(c + d * config.micro_batch))
+    return config.accumulation_steps * offload.offload_traffic_bytes(meas.n_blocks, per_block)
+
+
+def predict_step_time(meas: Measurements, config: Config, world_size: int = 1,
+                      bandwidth: float = DEFAULT_BANDWIDTH, tp_bandwidth: float = DEFAULT_TP_BANDWIDTH,
+                      host_bandwidth: float = DEFAULT_HOST_BANDWIDTH) -> float:
+    """Predicted seconds of one optimizer step: good for ranking configurations, rough in absolute terms.
+
+    ``bandwidth``: bytes per second of data parallelism's collectives; ``tp_bandwidth``: of tensor parallelism's;
+    ``host_bandwidth``: of offloading's copies. A chunked loss runs the head's matmul once more (chapter 11).
+    """
+    alpha, beta = _measured(meas, "time", config)
+    dp, share, _ = tp_shares(meas, config, world_size)
+    # a TP rank runs 1/t of the blocks' FLOPs and all the rest (embedding, head, loss)
+    blocks = meas.block_flop_share / config.tp
+    work = 1 - meas.block_flop_share + blocks
+    recompute = 0.0
+    if config.segments > 1:
+        recompute = FORWARD_SHARE * blocks / work * recomputed_blocks(meas.n_blocks, config.segments) / meas.n_blocks
+    head = FORWARD_SHARE * meas.head_flop_share / work if config.loss_chunks > 1 else 0.0  # one more forward
+    compute = config.accumulation_steps * (alpha + beta * config.micro_batch * work) * (1 + recompute + head)
+    update = meas.optimizer_s * share / (dp if config.zero_stage >= 1 else 1)
+    return (compute + update + comm_bytes(meas.param_bytes * share, config, dp) / bandwidth
+            + tp_comm_bytes(meas, config) / tp_bandwidth + offload_bytes(meas, config) / host_bandwidth)

@@ -1,0 +1,264 @@
+"""Search: ``plan`` weighs every candidate ``Config``, keeps the fastest that fits, says why (chapter 12, section 3).
+
+For every combination of precision, micro-batch with accumulation, checkpoint segments, ZeRO stage,
+tensor-parallel layout and chapter 11's options, ``plan`` takes the largest micro-batch whose predicted peak
+(``predict.predict_peak``) fits the budget less a headroom, ranks those by predicted speed
+(``predict.predict_step_time``) and explains the choice; ``Plan.table`` lists every candidate. The model is
+measured once (``measure.calibrate``); the notebook's Experiment then runs the chosen plan (``step``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from course_lib import memory
+from course_lib.distributed.zero import DEFAULT_BUCKET_MB
+from course_lib.models import CausalSelfAttention
+from course_lib.planner.config import Config
+from course_lib.planner.measure import (BatchFn, Measurements, calibrate, default_batch, lm_head, tp_sizes,
+                                        transformer_layers)
+from course_lib.planner.predict import (DEFAULT_BANDWIDTH, DEFAULT_HOST_BANDWIDTH, DEFAULT_TP_BANDWIDTH,
+                                        offload_bytes, predict_peak, predict_step_time)
+from course_lib.planner.step import LossFn
+
+MiB = 2**20
+# The prediction's error measured in chapter 12 is a few percent either way, and allocators fragment.
+DEFAULT_HEADROOM = 0.05
+TIMING_MAX_MICRO = 64  # larger timed passes would slow planning and add little
+# A chunk of the loss keeps at least this many tokens at micro-batch 1: with fewer, chapter 11's formula for the
+# loss's peak falls a few percent below the measured one (the many chunks' bookkeeping), and the peak has long
+# stopped falling (it is down to the head's weight gradient).
+MIN_CHUNK_TOKENS = 8
+
+
+@dataclass
+class Candidate:
+    """One (pass, segments, layout, stage, offload, loss chunks) at its largest fitting micro-batch (at 1 if none
+    fits)."""
+
+    config: Config
+    fits: bool
+    peak: dict                               # predict_peak of config
+    samples_per_s: float                     # 0 when it does not fit
+
+
+@dataclass
+class Plan:
+    """What ``plan`` chose, why, and every candidate it weighed."""
+
+    config: Config
+    predicted_peak_bytes: int
+    predicted_samples_per_s: float
+    budget_bytes: int
+    world_size: int
+    peak: dict
+    explanation: str
+    candidates: list[Candidate] = field(default_factory=list)
+    measurements: Measurements | None = None
+
+    @property
+    def mesh(self) -> tuple[int, int]:
+        """(data-parallel, tensor-parallel) ranks of the chosen configuration."""
+        return self.world_size // self.config.tp, self.config.tp
+
+    def table(self, limit: int | None = None) -> str:
+        """The candidates, fastest first (then those that do not fit), one line each."""
+        rows = [f"{'precision':>9} {'chapter 11':>18} {'segments':>8} {'d x t':>5} {'ZeRO':>4} {'micro':>5} "
+                f"{'accum':>5} {'peak MiB':>9} {'samples/s':>9}"]
+        for c in sorted(self.candidates, key=lambda c: (-c.samples_per_s, c.peak["total"]))[:limit]:
+            m, a = (c.config.micro_batch, c.config.accumulation_steps) if c.fits else ("-", "-")
+            note = "  <- chosen" if c.config == self.config else ("" if c.fits else "  (micro-batch 1 too big)")
+            mesh = f"{self.world_size // c.config.tp}x{c.config.tp}"
+            rows.append(f"{c.config.precision:>9} {_options(c.config):>18} {c.config.segments:>8} {mesh:>5} "
+                        f"{c.config.zero_stage:>4} {m:>5} {a:>5} {c.peak['total'] / MiB:9.1f} "
+                        f"{c.samples_per_s:9.1f}{note}")
+        return "\n".join(rows)
+
+
+def segment_options(n_blocks: int) -> list[int]:
+    """For each size of the largest segment, the fewest segments that give it (fewer segments recompute less).
+
+    A block saves far more than its output, so more segments keep lowering the peak, past Chen's ``sqrt(n)``.
+    """
+    sizes = {math.ceil(n_blocks / k) for k in range(1, n_blocks + 1)}
+    return sorted(min(k for k in range(1, n_blocks + 1) if math.ceil(n_blocks / k) == s) for s in sizes) or [1]
+
+
+def _options(config: Config) -> str:
+    """Chapter 11's options of ``config``, in a few characters: fused attention, loss chunks, offload."""
+    names = ["fused"] * config.fused + [f"loss/{config.loss_chunks}"] * (config.loss_chunks > 1)
+    return " ".join(names + ["offload"] * config.offload) or "-"
+
+
+def _parts(peak: dict) -> str:
+    return ", ".join(f"{k} {peak[k] / MiB:.1f}" for k in ("params", "grads", "optimizer", "batch", "transient"))
+
+
+def _layouts(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, world_size: int,
+             tensor_parallel: bool, sequence_parallel: bool) -> list[int]:
+    """The tensor-parallel sizes to try: those ``tp_sizes`` allows whose data-parallel ranks split the batch."""
+    sizes = tp_sizes(transformer_layers(model, sample_shape), world_size, sequence_parallel) if tensor_parallel else [1]
+    ok = [t for t in sizes if global_batch % (world_size // t) == 0]
+    if not ok:
+        layouts = " or ".join(f"{world_size // t}x{t}" for t in sizes)
+        raise ValueError(f"global batch {global_batch} does not split evenly over {world_size} ranks: use a multiple "
+                         f"of {world_size}" + (f" (or of the data-parallel ranks d of a d x t layout: {layouts})"
+                                              if len(sizes) > 1 else ""))
+    return ok
+
+
+def _switch(name: str, wanted: bool | None, pays: bool, runs: bool, needs: str) -> list[bool]:
+    """The values an on/off option of ``plan`` is searched with: ``wanted=None`` where it ``pays``, ``True``
+    wherever it ``runs`` (else an error naming what it ``needs``), ``False`` never."""
+    if wanted and not runs:
+        raise ValueError(f"{name}=True needs {needs}")
+    return [False, True] if runs and (pays if wanted is None else wanted) else [False]
+
+
+def _largest_fitting(meas: Measurements, shape: Config, per_rank: int, world_size: int, usable: int,
+                     speed: Callable[[Config], float]) -> Candidate:
+    """``shape`` at the largest micro-batch dividing ``per_rank`` whose predicted peak fits ``usable`` bytes."""
+    cfgs = [dataclasses.replace(shape, micro_batch=m, accumulation_steps=per_rank // m)
+            for m in range(1, per_rank + 1) if per_rank % m == 0]
+    ok = [c for c in cfgs if predict_peak(meas, c, world_size)["total"] <= usable]
+    cfg = ok[-1] if ok else cfgs[0]  # the largest micro-batch: fewest passes, least fixed cost
+    return Candidate(cfg, bool(ok), predict_peak(meas, cfg, world_size), speed(cfg) if ok else 0.0)
+
+
+def plan(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, memory_budget_bytes: int,
+         world_size: int = 1, *, loss_fn: LossFn | None = None, make_batch: BatchFn | None = None,
+         device: torch.device | str | None = None, precisions: tuple[str, ...] | None = None,
+         headroom: float = DEFAULT_HEADROOM, bandwidth: float = DEFAULT_BANDWIDTH,
+         bucket_cap_mb: float = DEFAULT_BUCKET_MB, tensor_parallel: bool = True, sequence_parallel: bool = True,
+         tp_bandwidth: float = DEFAULT_TP_BANDWIDTH, fused: bool | None = None, chunk_loss: bool | None = None,
+         offload: bool | None = None, host_bandwidth: float = DEFAULT_HOST_BANDWIDTH) -> Plan:
+    """The fastest predicted configuration whose peak bytes per device fit ``memory_budget_bytes``, with Adam.
+
+    ``global_batch`` samples of shape ``sample_shape`` per step are split evenly over the data-parallel ranks; each
+    runs micro-batches (a divisor of its share) with accumulation, in fp32 or bf16 autocast, checkpointing
+    ``model.blocks`` or not, at a ZeRO stage (0-3; stage 2 as ``ZeroOptimizer`` with ``bucket_cap_mb``). With
+    ``tensor_parallel`` and blocks that are ``TransformerBlock``s, the ``world_size`` ranks may also form a
+    ``d x t`` mesh: ``t`` ranks (dividing the heads) split every block, with ``sequence_parallel`` or not, and
+    FSDP2 (ZeRO-3) shards over the ``d`` others, as chapter 10 trains. ``bandwidth`` prices data parallelism's
+    traffic, ``tp_bandwidth`` tensor parallelism's. The predicted peak must fit ``(1 - headroom)`` of the budget.
+
+    Chapter 11's options, without tensor parallelism; each is ``None`` (searched where it pays), ``True``
+    (searched wherever it runs) or ``False`` (never): ``fused`` attention, for a model with
+    ``CausalSelfAttention`` layers; ``chunk_loss``, ``lm_loss`` in chunks of at least ``MIN_CHUNK_TOKENS`` tokens
+    (``chunked_loss.transformer_loss``), for a ``TinyTransformer``-like model, where it pays when the vocabulary
+    is wider than the model; ``offload`` of what the blocks save, without checkpointing or ZeRO-3, priced at
+    ``host_bandwidth``, where it pays on a GPU. On a CPU machine the host is the device's own memory: there
+    ``offload=True`` plans chapter 11's simulation (``offload.OffloadToHost``), which saves nothing real.
+
+    ``loss_fn`` and ``make_batch(m) -> (inputs, targets)`` default to ``default_batch``'s. The model is measured in
+    place on ``device`` (default: where its parameters are) and left as it was. Raises ``ValueError`` when
+    nothing fits, saying what the smallest needs.
+    """
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    if world_size < 1 or global_batch < 1 or memory_budget_bytes <= 0 or not 0 <= headroom < 1:
+        raise ValueError(f"need world_size >= 1, global_batch >= 1, a positive budget and 0 <= headroom < 1; "
+                         f"got {world_size}, {global_batch}, {memory_budget_bytes}, {headroom}")
+    sizes = _layouts(model, tuple(sample_shape), global_batch, world_size, tensor_parallel, sequence_parallel)
+    usable = int(memory_budget_bytes * (1 - headroom))
+    budget_text = f"{memory_budget_bytes / MiB:.1f} MiB per device ({usable / MiB:.1f} usable)"
+    states = 4 * memory.param_bytes(model) / world_size  # weights, gradients, Adam's 2 moments: ZeRO-3 at best
+    if states > usable:
+        raise ValueError(f"nothing fits {budget_text}: the model states alone need {states / MiB:.1f} MiB even "
+                         f"fully sharded over {world_size} rank(s). Use a smaller model or more ranks.")
+    if precisions is None:
+        bf16 = device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_bf16_supported())
+        precisions = ("fp32", "bf16") if bf16 else ("fp32",)
+    one_device = 1 in sizes  # chapter 11's options run without tensor parallelism
+    kernels = _switch("fused", fused, True, one_device and any(isinstance(m, CausalSelfAttention)
+                                                                for m in model.modules()),
+                      "a model with CausalSelfAttention layers, on a layout without tensor parallelism")
+    lm = lm_head(model, tuple(sample_shape), loss_fn)
+    chunked = _switch("chunk_loss", chunk_loss, lm is not None and lm.vocab > lm.width,
+                      one_device and lm is not None and lm.tokens >= 2 * MIN_CHUNK_TOKENS,
+                      f"a TinyTransformer-like model trained with lm_loss on samples of at least "
+                      f"{2 * MIN_CHUNK_TOKENS} tokens, on a layout without tensor parallelism")[-1]
+    chunk_counts = [1] + [2**i for i in range(1, 32) if chunked and 2**i * MIN_CHUNK_TOKENS <= lm.tokens]
+    blocks = getattr(model, "blocks", None)
+    offloads = _switch("offload", offload, device.type == "cuda",
+                       one_device and isinstance(blocks, nn.Sequential) and len(blocks) > 0,
+                       "a model whose `blocks` is a non-empty nn.Sequential, on a layout without tensor parallelism")
+    default_make, default_loss = default_batch(model, tuple(sample_shape), device)
+    largest = global_batch // (world_size // max(sizes))  # the largest share of the batch a rank runs
+    try:
+        meas = calibrate(model, make_batch or default_make, loss_fn or default_loss, device, precisions,
+                         min(largest, TIMING_MAX_MICRO), usable, bucket_cap_mb, fused=tuple(kernels),
+                         lm=lm if chunked else None, packed=True in offloads)
+    except torch.OutOfMemoryError as exc:
+        raise ValueError(f"the device ran out of memory measuring micro-batches 1 and 2 of this model: it does "
+                         f"not fit {budget_text}. Use a smaller model or more ranks.") from exc
+
+    def speed(cfg: Config) -> float:
+        return global_batch / predict_step_time(meas, cfg, world_size, bandwidth, tp_bandwidth, host_bandwidth)
+
+    candidates = []
+    for prec, kernel, k, t in itertools.product(precisions, kernels, segment_options(meas.n_blocks), sizes):
+        if kernel and t > 1:
+            continue
+        dp = world_size // t
+        per_rank = global_batch // dp
+        # TP runs with FSDP2 over the data-parallel ranks (chapter 10); plain data parallelism takes any stage
+        stages = [0] if dp == 1 else [0, 1, 2, 3] if t == 1 else [3]
+        for s in stages:
+            for off in offloads if t == 1 and k == 1 and s < 3 else [False]:
+                shape = Config(prec, 1, per_rank, k, s, t, sequence_parallel and t > 1, kernel, off)
+                listed = None
+                for chunks in chunk_counts if t == 1 else [1]:
+                    c = _largest_fitting(meas, dataclasses.replace(shape, loss_chunks=chunks), per_rank, world_size,
+                                         usable, speed)
+                    # more chunks cost a matmul of the head: listed only where they let a larger micro-batch fit
+                    larger = listed is None or not listed.fits or c.config.micro_batch > listed.config.micro_batch
+                    if listed is None or c.fits and larger:
+                        candidates.append(c)
+                        listed = c
+    fits = sorted((c for c in candidates if c.fits), key=lambda c: -c.samples_per_s)
+    if not fits:
+        small = min(candidates, key=lambda c: c.peak["total"])
+        more = "ZeRO-3 divides the model states by the world size"
+        if max(sizes) > 1:
+            more += ", tensor parallelism what each block saves"
+        raise ValueError(f"nothing fits {budget_text}: the smallest configuration ({small.config.describe()}) "
+                         f"needs {small.peak['total'] / MiB:.1f} MiB ({_parts(small.peak)} MiB). Use a budget of at "
+                         f"least {small.peak['total'] / (1 - headroom) / MiB:.1f} MiB, a smaller model or shorter "
+                         f"samples, or more ranks ({more}).")
+    best, cfg = fits[0], fits[0].config
+    dp, per_rank = world_size // cfg.tp, global_batch // (world_size // cfg.tp)
+    mesh = f" on {dp} data-parallel x {cfg.tp} tensor-parallel ranks" if cfg.tp > 1 else ""
+    why = [f"Chosen: {cfg.describe()}{mesh}. Predicted peak {best.peak['total'] / MiB:.1f} MiB of {budget_text} "
+           f"({_parts(best.peak)} MiB; the peak is in the {best.peak['where']}), about {best.samples_per_s:.0f} "
+           "samples/s."]
+    bigger = [m for m in range(cfg.micro_batch + 1, per_rank + 1) if per_rank % m == 0]
+    if bigger:
+        nxt = dataclasses.replace(cfg, micro_batch=bigger[0], accumulation_steps=per_rank // bigger[0])
+        why.append(f"Micro-batch {bigger[0]} would need {predict_peak(meas, nxt, world_size)['total'] / MiB:.1f} MiB.")
+    if cfg.memory_options():
+        plain = dataclasses.replace(cfg, fused=False, offload=False, loss_chunks=1)
+        why.append(f"Without {' and '.join(cfg.memory_options())} it would need "
+                   f"{predict_peak(meas, plain, world_size)['total'] / MiB:.1f} MiB.")
+    if cfg.offload:
+        why.append(f"Offloading moves {offload_bytes(meas, cfg) / 1e6:.1f} MB per step over the host link (priced "
+                   f"at {host_bandwidth / 1e9:.0f} GB/s)" + ("; on a CPU machine that is chapter 11's simulation: "
+                                                            "the host is the same memory, nothing is saved"
+                                                            if device.type == "cpu" else "") + ".")
+    if len(fits) > 1:
+        why.append(f"Runner-up: {fits[1].config.describe()}, {fits[1].samples_per_s:.0f} samples/s.")
+    if "bf16" in meas.time and "fp32" in meas.time:
+        t = {p: a + b * meas.timing_micro for p, (a, b) in meas.time.items()}
+        why.append(f"A micro-batch of {meas.timing_micro} took {t['bf16'] / t['fp32']:.2f}x as long in bf16 as in "
+                   "fp32 here.")
+    if cfg.micro_batch < per_rank and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        why.append(f"BatchNorm will see micro-batches of {cfg.micro_batch}, not the batch: consider GroupNorm "
+                   "(chapter 04).")
+    return Plan(cfg, best.peak["total"], best.samples_per_s, memory_budget_bytes, world_size, best.peak,
+                " ".join(why), candidates, meas)
