@@ -106,13 +106,6 @@ def _last_statement(source: str) -> str:
     return " ".join(ast.unparse(node).split())[:60]
 
 
-# Cells of other chapters still ending in echo clutter, by the start of their last statement: to be fixed, and
-# their entries removed, until this list is empty. A cell not listed here fails the test.
-KNOWN_ECHO: dict[str, list[str]] = {
-    "solutions/04_normalization.ipynb": ["torch.manual_seed(0)"],
-}
-
-
 def test_echo_rules_catch_clutter_and_spare_the_rest():
     clutter = ["plt.plot([1, 2])",
                "ax.legend()", "ax1.set(title='t')", "fig", "torch.manual_seed(0)", "model.train()", "w.zero_()",
@@ -126,10 +119,9 @@ def test_echo_rules_catch_clutter_and_spare_the_rest():
 
 @pytest.mark.parametrize("path", CHECKED, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_no_cell_ends_in_echo_clutter(path):
-    known = KNOWN_ECHO.get(f"{path.parent.name}/{path.name}", [])
     found = []
     for i, cell in enumerate(nbformat.read(path, as_version=4).cells):
         reason = cell.cell_type == "code" and echo_clutter(cell.source)
-        if reason and not any(_last_statement(cell.source).startswith(k) for k in known):
+        if reason:
             found.append(f"cell {i} ends with `{_last_statement(cell.source)}`: {reason}")
     assert not found, f"{path.name}:\n" + "\n".join(found)
