@@ -1,4 +1,4 @@
-"""Bytes counted exactly, and peaks measured (chapter 01; the peaks and timelines of chapters 05, 08 and 11).
+"""Bytes counted exactly, and peaks measured (chapter 01; the peaks and timelines of chapters 05, 08 and 10).
 
 Training memory has four parts:
 
@@ -170,7 +170,7 @@ def _quiet_native_stderr() -> Iterator[None]:
 
 @dataclass
 class MemoryTimeline:
-    """Bytes allocated over time while a function ran, from the profiler's records (chapter 11)."""
+    """Bytes allocated over time while a function ran, from the profiler's records (chapter 10)."""
 
     seconds: list[float]                      # since the first record
     live_bytes: list[int]                     # allocated above the start, after each allocation or free

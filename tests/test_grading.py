@@ -257,7 +257,7 @@ def ring_all_reduce(tensors):
                     chunks[dst][index[r]].copy_(payload)
                 sent[r] += payload.numel()
     return [torch.cat(c) for c in chunks], sent'''},
-    "11_memory_beyond_splitting": {"q1_online_attention": '''
+    "10_memory_beyond_splitting": {"q1_online_attention": '''
 def online_attention(q, k, v, block):
     if block < 1:
         raise ValueError(block)

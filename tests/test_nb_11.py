@@ -1,110 +1,120 @@
-"""Chapter 11's claims, measured by the notebook at the test profile.
+"""Chapter 11's claims (the capstone), measured by the notebook at the test profile."""
 
-Memory is measured (saved-tensor hooks, the allocator's records) and costs are
-counted (FLOPs, kernel calls, bytes copied); no step time is asserted. The
-CPU profiles check what a CPU can show: there offloading copies into NumPy
-memory the allocator does not count, and FSDP2's CPUOffloadPolicy is not run.
-"""
+from __future__ import annotations
 
-import math
+import re
 
+import pytest
 from conftest import notebook_claims
 
-
-def test_fused_attention_claims(profile):
-    c = notebook_claims("11")
-    # by hand: the online softmax gives the same output with T x block temporaries instead of T x T
-    assert c["ch11/online_softmax_max_abs_diff"] < 1e-5
-    assert c["ch11/online_forward_peak_ratio"] < 0.5
-    # the naive path's saved bytes have a T^2 term, the fused path's none: doubling T doubles them
-    assert c["ch11/naive_quadratic_share"] > 0.3
-    assert abs(c["ch11/fused_quadratic_share"]) < 0.01
-    assert abs(c["ch11/fused_saved_doubling_ratio"] - 2) < 0.01
-    assert c["ch11/fused_saved_ratio_longest"] < 0.6
-    assert c["ch11/estimator_max_rel_error"] <= 0.05
-    assert c["ch11/fused_loss_abs_diff"] < 1e-5
-    assert c["ch11/fused_grad_max_abs_diff"] < 1e-6
-    if profile == "cpu":  # longer sequences: the quadratic term takes over
-        assert c["ch11/naive_quadratic_share"] > 0.6
-        assert c["ch11/fused_saved_ratio_longest"] < 0.45
+pytestmark = pytest.mark.notebook
 
 
-def test_selective_checkpointing_should_keep_the_fused_op():
-    c = notebook_claims("11")
-    assert c["ch11/sac_fused_calls_linear_only"] == 2  # forward, and again in the recomputation
-    assert c["ch11/sac_fused_calls_keep_attention"] == 1
-    assert 0 < c["ch11/sac_keep_attention_extra_kept_fraction"] < 0.15
+@pytest.fixture(scope="module")
+def c() -> dict:
+    return notebook_claims("11")
 
 
-def test_offload_claims(profile):
-    c = notebook_claims("11")
-    assert c["ch11/offload_hand_peak_ratio"] < 0.5
-    assert c["ch11/offload_hand_copied_over_saved"] >= 1  # a tensor saved by two ops is copied twice
-    assert c["ch11/offload_hand_grad_max_abs_diff"] < 1e-6
-    assert c["ch11/save_on_cpu_grad_max_abs_diff"] < 1e-6
-    if profile == "gpu":
-        assert c["ch11/save_on_cpu_peak_ratio"] < 0.7 and c["ch11/save_on_cpu_copied_bytes"] > 0
-    else:  # on a CPU machine save_on_cpu copies nothing and changes no peak
-        assert c["ch11/save_on_cpu_copied_bytes"] == 0
-        assert 0.98 <= c["ch11/save_on_cpu_peak_ratio"] <= 1.02
-    # min_bytes: keeping the small tensors saves copies, not bytes
-    assert c["ch11/offload_sweep_monotone"] is True
-    assert c["ch11/offload_sweep_largest_share"] > 0.9
-    assert c["ch11/offload_sweep_largest_copies_share"] < 0.9
-    # per block: the prediction is at most 5% low; the peak never falls below the floor
-    assert 0.5 <= c["ch11/offload_blocks_peak_over_prediction"] <= 1.05
-    assert c["ch11/offload_blocks_peak_over_floor"] >= 1
-    assert c["ch11/offload_traffic_matches"] is True
+def test_a_line_through_tiny_micro_batches_fails(c: dict, profile: str) -> None:
+    assert c["ch11/naive_over_measured"] < 0.7  # the line through m = 1, 2 misses most of the peak at the batch
+    if profile in ("smoke", "cpu"):  # the text says so at these sizes: the optimizer step is the flat part
+        assert c["ch11/optimizer_moment_higher_at_1"] is True
+    lo, hi = c["ch11/first_moments_over_single"]
+    assert 0.98 <= lo <= hi <= 1.02  # one micro-batch: max(first forward/backward, optimizer step) is its peak
+    lo, hi = c["ch11/moments_over_accumulated"]
+    assert 0.98 <= lo <= hi <= 1.02  # max(forward/backward, optimizer step) is the peak under accumulation
+    lo, hi = c["ch11/moments_minus_single_over_grads"]
+    assert -0.02 <= lo <= hi <= 1.02  # without accumulation: overstated by at most the gradients, never under
 
 
-def test_chunked_loss_claims(profile):
-    c = notebook_claims("11")
-    assert 2.95 <= c["ch11/loss_plain_peak_in_NV"] <= 3.05  # logits, log-softmax, its gradient
-    assert c["ch11/loss_chunked_peak_ratio"] < 0.3
-    assert c["ch11/loss_chunked_by_hand_peak_ratio"] <= 1.01 * c["ch11/loss_chunked_peak_ratio"]
-    assert c["ch11/loss_prediction_max_rel_error"] < 0.05
-    assert c["ch11/loss_chunked_max_abs_diff"] < 1e-5
-    assert c["ch11/loss_chunked_grad_max_abs_diff"] < 1e-6
-    assert math.isclose(c["ch11/loss_chunked_extra_flops"], 1 / 3, abs_tol=0.01)
-    if profile == "cpu":  # more chunks: the by-hand version, which adds its weight gradient in place, goes lower
-        assert c["ch11/loss_chunked_by_hand_peak_ratio"] < 0.15
+def test_planner_predictions_hold(c: dict, profile: str) -> None:
+    if profile == "smoke":
+        assert c["ch11/plan_seconds"] < 20  # a few seconds on two idle cores
+    assert c["ch11/candidates_checked"] >= 3
+    lo, hi = c["ch11/accumulating_measured_over_predicted"]
+    assert 0.95 <= lo <= hi <= 1.03
+    if c["ch11/single_measured_over_predicted"] is not None:
+        lo, hi = c["ch11/single_measured_over_predicted"]
+        assert 0.75 <= lo <= hi <= 1.03
 
 
-def test_compile_budget_claims(profile):
-    c = notebook_claims("11")
-    assert c["ch11/compile_saved_monotone_in_budget"] is True
-    assert c["ch11/compile_extra_flops_monotone_in_budget"] is True
-    assert c["ch11/compile_saved_fraction_budget_0"] < 0.05
-    assert 0.2 < c["ch11/compile_saved_fraction_budget_half"] < 0.7
-    assert abs(c["ch11/compile_saved_fraction_budget_1"] - 1) < 0.02
-    assert c["ch11/compile_extra_flops_budget_0"] > 0.1
-    assert abs(c["ch11/compile_extra_flops_budget_1"]) < 1e-9
-    if profile == "cpu":  # inductor's partition is the one measured
-        assert c["ch11/compile_inductor_saved_over_partitioner"] == 1
+def test_impossible_budget_is_a_clear_error(c: dict) -> None:
+    msg = c["ch11/impossible_budget_error"]
+    assert msg.startswith("nothing fits") and "smallest configuration" in msg
+    needed = float(re.search(r"\) needs (\d+\.\d+) MiB", msg).group(1))
+    assert needed > 0.95 * c["ch11/impossible_budget_mib"]  # more than the usable part of the budget
+    assert "Use a budget of at least" in msg
 
 
-def test_timeline_claims():
-    c = notebook_claims("11")
-    assert c["ch11/timeline_peak_at_end_of_forward_naive"] is True
-    assert c["ch11/timeline_peak_ratio_fused"] < 0.9
-    assert c["ch11/timeline_peak_ratio_offloaded"] < 0.5
+def test_largest_model_fits_fills_and_matches(c: dict) -> None:
+    assert c["ch11/largest_model_index"] >= 1  # the budget admits more than the smallest ladder model
+    assert c["ch11/next_model_fits"] is False  # and the next one up really does not fit
+    over = c["ch11/measured_peak_over_budget"]
+    # fits, and not far below: micro-batches come in divisors of the batch (at most 2x apart) and the
+    # ladder in steps, so 0.7 of the budget is what the grid can promise
+    assert 0.7 <= over <= 1.0
+    assert 0.85 <= c["ch11/measured_over_predicted"] <= 1.03
 
 
-def test_fsdp_offload_only_where_it_runs(profile):
-    c = notebook_claims("11")
-    if profile != "gpu":
-        assert "ch11/fsdp_offload_peak_ratio" not in c  # no number where it cannot be measured
+def test_the_planned_model_learns(c: dict) -> None:
+    first, last = c["ch11/loss_first_last"]
+    assert c["ch11/loss_decreased"] is True and last < 0.9 * first
+
+
+def test_zero_makes_room_and_matches_real_ranks(c: dict, profile: str) -> None:
+    # a device with 80% of the model states: nothing fits on one, ZeRO (stage >= 1) fits it over 4 ranks
+    assert c["ch11/small_device_one_rank_fits"] is False
+    assert c["ch11/small_device_world4_stage"] >= 1
+    assert c["ch11/small_device_world4_peak_over_budget"] <= 0.95
+    assert c["ch11/held_over_predicted_worst"] < 0.01  # states held per rank on 2 gloo ranks vs the formulas
+    peaks = c["ch11/ranks_peak_measured_over_predicted"]  # [min, max] over the ranks of measured / predicted peak
+    if peaks is None:  # the plan was measured on a GPU, the two ranks ran on the CPU
+        assert profile == "gpu"
         return
-    assert c["ch11/fsdp_offload_device_state_bytes"] == 0
-    assert c["ch11/fsdp_offload_peak_ratio"] < 1
-    assert c["ch11/fsdp_offload_loss_max_abs_diff"] < 1e-3
-    assert c["ch11/fsdp_offload_step_time_ratio"] > 0
+    for stage in ("stage0", "stage1"):
+        # each peak on the CPU is an upper bound (a buffer gloo frees unseen counts until its address is reused)
+        assert 0.98 <= peaks[stage][0] <= peaks[stage][1] <= 1.03, (stage, peaks[stage])
+    assert 0.93 <= peaks["stage2"][0] <= peaks["stage2"][1] <= 1.0, peaks["stage2"]  # the safe side, a few percent
+    assert 0.9 <= peaks["stage3"][0], peaks["stage3"]
+    # FSDP2 on gloo: when its asynchronous reduce-scatters finish moves the peak between runs (seen at smoke, on a
+    # loaded machine: -0.76 to +0.89 blocks' parameters, measured / predicted 0.946 to 1.063)
+    lo, hi = c["ch11/fsdp2_peak_minus_predicted_blocks"]
+    assert -2 <= lo <= hi <= 2, (lo, hi)
 
 
-def test_experiment_claims():
-    c = notebook_claims("11")
-    names = ("naive", "fused", "fused_chunked_loss", "fused_chunked_offload")
-    longest = [c[f"ch11/exp_longest_seq_{n}"] for n in names]
-    assert longest == sorted(longest) and longest[-1] > longest[0]
-    ratios = [c[f"ch11/exp_peak_ratio_{n}"] for n in names[1:]]
-    assert 1 > ratios[0] > ratios[1] > ratios[2]
+def test_tensor_parallelism_fits_fewer_sequences_than_ranks(c: dict) -> None:
+    alone = c["ch11/tp_data_parallel_alone"]
+    assert "does not split evenly over 4 ranks" in alone["4 ranks"]  # 2 sequences, 4 data-parallel ranks
+    assert alone["2 ranks"].startswith("nothing fits")  # the 2 ranks it could use: over the budget
+    needed = float(re.search(r"\) needs (\d+\.\d+) MiB", alone["2 ranks"]).group(1))
+    usable = float(re.search(r"MiB per device \((\d+\.\d+) usable\)", alone["2 ranks"]).group(1))
+    assert needed > usable
+    plan = c["ch11/tp_plan"]
+    assert plan["tp"] > 1 and plan["dp"] * plan["tp"] == 4 and plan["sequence_parallel"] is True
+    assert plan["zero_stage"] == (3 if plan["dp"] > 1 else 0)  # FSDP2 over the data-parallel ranks
+    assert c["ch11/tp_plan_peak_over_budget"] <= 0.95
+
+
+def test_tensor_parallel_plan_matches_real_ranks(c: dict) -> None:
+    r = c["ch11/tp_measured_over_predicted"]
+    for part in ("params", "grads"):  # byte counts, exact but for the rounding of a shard to whole bytes
+        assert all(abs(v - 1) < 1e-5 for v in r[part]), (part, r[part])
+    assert all(abs(v - 1) < 1e-9 for v in r["saved activations"]), r["saved activations"]
+    lo, hi = r["optimizer"]
+    assert 1.0 <= lo <= hi < 1.001  # and Adam's step counters, one 4-byte tensor per parameter tensor
+    assert c["ch11/tp_loss_diff"] < 1e-5  # the mesh trains what one process trains
+
+
+def test_chapter_11_options_fit_long_sequences(c: dict, profile: str) -> None:
+    assert c["ch11/c11_without_options"].startswith("nothing fits")  # no splitting fits the T^2 and NV terms
+    plan, counts = c["ch11/c11_plan"], c["ch11/c11_fitting"]
+    assert plan["fused"] is True and counts["fit"] >= 1 and counts["fused"] == counts["fit"]
+    assert c["ch11/c11_offload_searched"] is (profile == "gpu")  # never on a CPU, where the host is the device
+    if profile in ("smoke", "cpu"):  # the text says so at these sizes: every configuration that fits has both
+        assert plan["loss_chunks"] > 1 and counts["chunked"] == counts["fit"] and counts["offloaded"] == 0
+    # fits, on the safe side of the prediction (fp32 within a few percent, bf16 chunks and offload err high)
+    assert c["ch11/c11_measured_over_budget"] <= 1.0
+    assert 0.8 <= c["ch11/c11_measured_over_predicted"] <= 1.03
+    # the same micro-batches without chapter 10's options do not fit, measured and predicted alike
+    assert c["ch11/c11_without_measured_over_budget"] > 1.0 and c["ch11/c11_without_predicted_over_budget"] > 1.0
+    assert 0.8 <= c["ch11/c11_without_measured_over_predicted"] <= 1.03

@@ -286,7 +286,7 @@ def test_image_models_get_image_batches(net):
     assert p.measurements.batch_bytes_per_sample == 3 * 32 * 32 * 4 + 8  # an fp32 image and an int64 label
 
 
-# ----- chapter 11's options: fused attention, the chunked loss, offload ---------------------------------
+# ----- chapter 10's options: fused attention, the chunked loss, offload ---------------------------------
 
 
 def test_fused_attention_is_searched_for_attention_models_and_offload_only_on_a_gpu(model, measured_plan):
@@ -316,7 +316,7 @@ def lm_model() -> TinyTransformer:
 
 @pytest.fixture(scope="module")
 def lm_plan(lm_model) -> planner.Plan:
-    return planner.plan(lm_model, (T,), B, 1 << 34, offload=True)  # on the CPU: chapter 11's simulated host
+    return planner.plan(lm_model, (T,), B, 1 << 34, offload=True)  # on the CPU: chapter 10's simulated host
 
 
 @pytest.mark.parametrize("cfg, band", [(planner.Config("fp32", 4, 4, 1, 0, loss_chunks=4), (0.97, 1.03)),
@@ -359,7 +359,7 @@ def test_offload_is_an_upper_estimate_above_the_floor(lm_model, lm_plan, cfg):
     const, per_sample, _ = planner.block_saves(meas, cfg)
     kept = planner.predict_peak(meas, dataclasses.replace(cfg, offload=False))["total"]
     # above the floor (what is left when every block's saves are gone, bf16 weight copies included), and never
-    # above the prediction, which keeps one block's saves and every constant part (chapter 11)
+    # above the prediction, which keeps one block's saves and every constant part (chapter 10)
     floor = kept - meas.n_blocks * (const + per_sample * cfg.micro_batch)
     assert floor <= peak <= 1.01 * predicted, (floor, peak, predicted)
     measured_kept, _ = run_and_measure(lm_model, dataclasses.replace(cfg, offload=False))

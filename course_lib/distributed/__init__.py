@@ -1,4 +1,4 @@
-"""Distributed training (chapters 06-08 and 10; chapters 11 and 12 launch its workers too).
+"""Distributed training (chapters 06-09; chapters 10 and 11 launch its workers too).
 
 - ``launch``: run worker modules under torchrun from a notebook or a test; the worker's init/report/shutdown.
 - ``results``: the dataclasses workers report, rebuilt on the parent's side with ``from_dict``.
@@ -7,8 +7,8 @@
 - ``ddp``: ``NaiveDDP`` and ``BucketedDDP``, the teaching versions of ``DistributedDataParallel`` (chapter 06);
   ``ddp_dynamic``: ``DynamicBucketedDDP``, for hook counts, unused parameters and re-sends.
 - ``zero``: ZeRO-1/2 by hand (``ZeroOptimizer``) and FSDP2's traffic and memory measured (chapter 08).
-- ``tensor_parallel``: Megatron's column- and row-parallel layers, f and g, sequence parallelism (chapter 10);
-  ``tp_costs``: their bytes, activations and traffic in formulas (chapter 10, and the capstone's planner).
+- ``tensor_parallel``: Megatron's column- and row-parallel layers, f and g, sequence parallelism (chapter 09);
+  ``tp_costs``: their bytes, activations and traffic in formulas (chapter 09, and the capstone's planner).
 
 Worker entry points live in ``course_lib.workers``.
 """

@@ -1,4 +1,4 @@
-"""Collectives that count the bytes they send (chapters 06-08 and 10).
+"""Collectives that count the bytes they send (chapters 06-09).
 
 Each wrapper forwards to ``torch.distributed`` and adds to a ``ByteCounter``
 the bytes that *this rank* sends under the ring algorithm (Patarasuk & Yuan

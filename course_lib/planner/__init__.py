@@ -1,7 +1,7 @@
-"""Plan a training configuration for a memory budget (chapter 12, the capstone): measure, predict, search.
+"""Plan a training configuration for a memory budget (chapter 11, the capstone): measure, predict, search.
 
 For every combination of precision (chapter 05), micro-batch with gradient accumulation (chapters 02-03),
-activation checkpointing (chapter 05), ZeRO stage (chapter 08), tensor-parallel size (chapter 10), and chapter
+activation checkpointing (chapter 05), ZeRO stage (chapter 08), tensor-parallel size (chapter 09), and chapter
 11's fused attention, chunked loss and activation offload, predict the peak bytes per device and the step time;
 keep the fastest that fits. The package reads in that order:
 

@@ -1,9 +1,9 @@
-"""What the planner chooses: a ``Config``, one way to run a training step on each rank (chapter 12, sections 2-3).
+"""What the planner chooses: a ``Config``, one way to run a training step on each rank (chapter 11, sections 2-3).
 
 Each field is a lever an earlier chapter explains: the precision (chapter 05's bf16 autocast), the micro-batch
 and its accumulation steps (chapters 02-03), the checkpoint segments (chapter 05), the ZeRO stage (chapter 08),
-the tensor-parallel size and sequence parallelism (chapter 10), fused attention, offloading and the loss in
-chunks (chapter 11). ``pass_key`` names the forward/backward pass a configuration runs: ``measure`` measures one
+the tensor-parallel size and sequence parallelism (chapter 09), fused attention, offloading and the loss in
+chunks (chapter 10). ``pass_key`` names the forward/backward pass a configuration runs: ``measure`` measures one
 per precision and attention kernel, and ``predict`` reads its lines under that name.
 """
 
@@ -22,10 +22,10 @@ class Config:
     segments: int           # checkpoint segments over ``model.blocks``; 1 = no checkpointing
     zero_stage: int         # over the data-parallel ranks; 0 = plain data parallel (or one device)
     tp: int = 1             # tensor-parallel ranks sharing each block; the world / tp others are data-parallel
-    sequence_parallel: bool = False  # with tp > 1: the LayerNorm regions cut along the sequence (chapter 10)
-    fused: bool = False     # every CausalSelfAttention runs F.scaled_dot_product_attention (chapter 11), else op by op
-    offload: bool = False   # what the blocks save waits in host memory until the backward pass (chapter 11)
-    loss_chunks: int = 1    # the loss over the vocabulary in this many token chunks (chapter 11); 1 = whole
+    sequence_parallel: bool = False  # with tp > 1: the LayerNorm regions cut along the sequence (chapter 09)
+    fused: bool = False     # every CausalSelfAttention runs F.scaled_dot_product_attention (chapter 10), else op by op
+    offload: bool = False   # what the blocks save waits in host memory until the backward pass (chapter 10)
+    loss_chunks: int = 1    # the loss over the vocabulary in this many token chunks (chapter 10); 1 = whole
 
     def __post_init__(self) -> None:
         if self.loss_chunks < 1:
@@ -34,7 +34,7 @@ class Config:
             raise ValueError("offload moves what the blocks save: not with checkpointing (which saves only the "
                              "segment inputs) nor with ZeRO-3, whose gathered weights the hooks would copy too")
         if self.tp > 1 and (self.fused or self.offload or self.loss_chunks > 1):
-            raise ValueError("the course's tensor-parallel block (chapter 10) runs op-by-op attention, the whole "
+            raise ValueError("the course's tensor-parallel block (chapter 09) runs op-by-op attention, the whole "
                              "loss and no offload: use fused, offload and loss_chunks with tp = 1")
 
     @property
@@ -52,7 +52,7 @@ class Config:
         return ", ".join([text, *self.memory_options()])
 
     def memory_options(self) -> list[str]:
-        """Chapter 11's options this configuration uses, in words."""
+        """Chapter 10's options this configuration uses, in words."""
         return ((["fused attention"] if self.fused else [])
                 + ([f"the loss in {self.loss_chunks} chunks"] if self.loss_chunks > 1 else [])
                 + (["activations offloaded to the host"] if self.offload else []))

@@ -1,11 +1,11 @@
-"""Predict a ``Config``'s peak bytes and step time from the ``Measurements``: arithmetic only (chapter 12, section 3).
+"""Predict a ``Config``'s peak bytes and step time from the ``Measurements``: arithmetic only (chapter 11, section 3).
 
 Checkpointing follows from the bytes one block saves (chapter 05; Chen et al. 2016: ``k - 1`` segment inputs
 kept, at most ``ceil(n/k)`` blocks rebuilt at once); ZeRO divides the states (``memory.zero_memory``) and adds
 what is in flight (chapter 08). Tensor parallelism over ``t`` of the ``world = d x t`` ranks splits the blocks'
-weights and what they save per sequence (``tp_costs``, chapter 10); ZeRO then runs over the ``d`` data-parallel
+weights and what they save per sequence (``tp_costs``, chapter 09); ZeRO then runs over the ``d`` data-parallel
 ranks. Fused attention is another kernel, measured like a precision (its own line); offloading and the chunked
-loss are chapter 11's formulas on top of a measured pass (``offload.predict_offload_peak``,
+loss are chapter 10's formulas on top of a measured pass (``offload.predict_offload_peak``,
 ``chunked_loss.predict_loss_peak``). Time is relative, since timings on a busy machine are noisy:
 ``A (alpha + beta m)(1 + recompute + extra head) + update + communication / bandwidth + offload traffic / host
 bandwidth``, with data parallelism's traffic (chapters 06 and 08) at an inter-node bandwidth and tensor
@@ -30,10 +30,10 @@ FORWARD_SHARE = 1 / 3
 # practice (nominal 32 GB/s), as does a 200 Gb/s InfiniBand port between nodes; pass your interconnect's measured
 # all-reduce bandwidth instead (chapter 06).
 DEFAULT_BANDWIDTH = 25e9
-# Tensor parallelism's per-layer collectives stay inside a node (chapter 10): NVLink 4 moves 450 GB/s each way
+# Tensor parallelism's per-layer collectives stay inside a node (chapter 09): NVLink 4 moves 450 GB/s each way
 # per H100 SXM GPU (NVIDIA's Hopper architecture page; nominal, a real all-reduce reaches less).
 DEFAULT_TP_BANDWIDTH = 450e9
-# Offloaded activations cross the host link twice per byte (chapter 11): PCIe 4.0 x16 again, about 25 GB/s in
+# Offloaded activations cross the host link twice per byte (chapter 10): PCIe 4.0 x16 again, about 25 GB/s in
 # practice (PCIe 5.0 x16 doubles it). ``offload.OffloadToHost`` copies on the compute stream: the copies add to
 # the step's time instead of hiding behind it.
 DEFAULT_HOST_BANDWIDTH = 25e9
@@ -41,7 +41,7 @@ DEFAULT_HOST_BANDWIDTH = 25e9
 
 def tp_shares(meas: Measurements, config: Config, world_size: int) -> tuple[int, float, float]:
     """(data-parallel ranks, share of the model states, share of one block's parameters) one rank keeps under
-    ``config.tp``-way tensor parallelism: ``1/t`` of the split weights and all of the others (chapter 10)."""
+    ``config.tp``-way tensor parallelism: ``1/t`` of the split weights and all of the others (chapter 09)."""
     t, layers = config.tp, meas.layers
     if t < 1 or world_size % t:
         raise ValueError(f"tensor-parallel size {t} does not divide the {world_size} ranks")
@@ -92,7 +92,7 @@ def predict_peak(meas: Measurements, config: Config, world_size: int = 1) -> dic
     and the optimizer step's temporaries; ``where`` names it. The forward/backward part assumes the gradients
     exist, as they do from the second micro-batch on: a single micro-batch is overstated by up to its gradients,
     never understated (at any moment of its backward some exist, and no more activations than at the start).
-    Offload and the chunked loss are chapter 11's formulas: an offloaded pass keeps one block's saves of its ``n``
+    Offload and the chunked loss are chapter 10's formulas: an offloaded pass keeps one block's saves of its ``n``
     (an upper estimate: the backward brings them back one node at a time), and a chunked loss replaces the
     measured peak of the whole loss by ``chunked_loss.predict_loss_peak``.
     """
@@ -143,7 +143,7 @@ def comm_bytes(param_bytes: int, config: Config, world_size: int) -> float:
 
 
 def tp_comm_bytes(meas: Measurements, config: Config) -> float:
-    """Bytes one rank sends per optimizer step in tensor parallelism's per-layer collectives (chapter 10).
+    """Bytes one rank sends per optimizer step in tensor parallelism's per-layer collectives (chapter 09).
 
     Four activation-sized collectives per block and micro-batch (``tp_costs.comm_bytes_per_layer``, gathered
     inputs saved). Left out, as small: the gathers before the head and of the embedding's gradient, and under
@@ -172,7 +172,7 @@ def predict_step_time(meas: Measurements, config: Config, world_size: int = 1,
     """Predicted seconds of one optimizer step: good for ranking configurations, rough in absolute terms.
 
     ``bandwidth``: bytes per second of data parallelism's collectives; ``tp_bandwidth``: of tensor parallelism's;
-    ``host_bandwidth``: of offloading's copies. A chunked loss runs the head's matmul once more (chapter 11).
+    ``host_bandwidth``: of offloading's copies. A chunked loss runs the head's matmul once more (chapter 10).
     """
     alpha, beta = _measured(meas, "time", config)
     dp, share, _ = tp_shares(meas, config, world_size)

@@ -1,7 +1,7 @@
-"""Search: ``plan`` weighs every candidate ``Config``, keeps the fastest that fits, says why (chapter 12, section 3).
+"""Search: ``plan`` weighs every candidate ``Config``, keeps the fastest that fits, says why (chapter 11, section 3).
 
 For every combination of precision, micro-batch with accumulation, checkpoint segments, ZeRO stage,
-tensor-parallel layout and chapter 11's options, ``plan`` takes the largest micro-batch whose predicted peak
+tensor-parallel layout and chapter 10's options, ``plan`` takes the largest micro-batch whose predicted peak
 (``predict.predict_peak``) fits the budget less a headroom, ranks those by predicted speed
 (``predict.predict_step_time``) and explains the choice; ``Plan.table`` lists every candidate. The model is
 measured once (``measure.calibrate``); the notebook's Experiment then runs the chosen plan (``step``).
@@ -29,10 +29,10 @@ from course_lib.planner.predict import (DEFAULT_BANDWIDTH, DEFAULT_HOST_BANDWIDT
 from course_lib.planner.step import LossFn
 
 MiB = 2**20
-# The prediction's error measured in chapter 12 is a few percent either way, and allocators fragment.
+# The prediction's error measured in chapter 11 is a few percent either way, and allocators fragment.
 DEFAULT_HEADROOM = 0.05
 TIMING_MAX_MICRO = 64  # larger timed passes would slow planning and add little
-# A chunk of the loss keeps at least this many tokens at micro-batch 1: with fewer, chapter 11's formula for the
+# A chunk of the loss keeps at least this many tokens at micro-batch 1: with fewer, chapter 10's formula for the
 # loss's peak falls a few percent below the measured one (the many chunks' bookkeeping), and the peak has long
 # stopped falling (it is down to the head's weight gradient).
 MIN_CHUNK_TOKENS = 8
@@ -70,7 +70,7 @@ class Plan:
 
     def table(self, limit: int | None = None) -> str:
         """The candidates, fastest first (then those that do not fit), one line each."""
-        rows = [f"{'precision':>9} {'chapter 11':>18} {'segments':>8} {'d x t':>5} {'ZeRO':>4} {'micro':>5} "
+        rows = [f"{'precision':>9} {'chapter 10':>18} {'segments':>8} {'d x t':>5} {'ZeRO':>4} {'micro':>5} "
                 f"{'accum':>5} {'peak MiB':>9} {'samples/s':>9}"]
         for c in sorted(self.candidates, key=lambda c: (-c.samples_per_s, c.peak["total"]))[:limit]:
             m, a = (c.config.micro_batch, c.config.accumulation_steps) if c.fits else ("-", "-")
@@ -92,7 +92,7 @@ def segment_options(n_blocks: int) -> list[int]:
 
 
 def _options(config: Config) -> str:
-    """Chapter 11's options of ``config``, in a few characters: fused attention, loss chunks, offload."""
+    """Chapter 10's options of ``config``, in a few characters: fused attention, loss chunks, offload."""
     names = ["fused"] * config.fused + [f"loss/{config.loss_chunks}"] * (config.loss_chunks > 1)
     return " ".join(names + ["offload"] * config.offload) or "-"
 
@@ -146,16 +146,16 @@ def plan(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, mem
     ``model.blocks`` or not, at a ZeRO stage (0-3; stage 2 as ``ZeroOptimizer`` with ``bucket_cap_mb``). With
     ``tensor_parallel`` and blocks that are ``TransformerBlock``s, the ``world_size`` ranks may also form a
     ``d x t`` mesh: ``t`` ranks (dividing the heads) split every block, with ``sequence_parallel`` or not, and
-    FSDP2 (ZeRO-3) shards over the ``d`` others, as chapter 10 trains. ``bandwidth`` prices data parallelism's
+    FSDP2 (ZeRO-3) shards over the ``d`` others, as chapter 09 trains. ``bandwidth`` prices data parallelism's
     traffic, ``tp_bandwidth`` tensor parallelism's. The predicted peak must fit ``(1 - headroom)`` of the budget.
 
-    Chapter 11's options, without tensor parallelism; each is ``None`` (searched where it pays), ``True``
+    Chapter 10's options, without tensor parallelism; each is ``None`` (searched where it pays), ``True``
     (searched wherever it runs) or ``False`` (never): ``fused`` attention, for a model with
     ``CausalSelfAttention`` layers; ``chunk_loss``, ``lm_loss`` in chunks of at least ``MIN_CHUNK_TOKENS`` tokens
     (``chunked_loss.transformer_loss``), for a ``TinyTransformer``-like model, where it pays when the vocabulary
     is wider than the model; ``offload`` of what the blocks save, without checkpointing or ZeRO-3, priced at
     ``host_bandwidth``, where it pays on a GPU. On a CPU machine the host is the device's own memory: there
-    ``offload=True`` plans chapter 11's simulation (``offload.OffloadToHost``), which saves nothing real.
+    ``offload=True`` plans chapter 10's simulation (``offload.OffloadToHost``), which saves nothing real.
 
     ``loss_fn`` and ``make_batch(m) -> (inputs, targets)`` default to ``default_batch``'s. The model is measured in
     place on ``device`` (default: where its parameters are) and left as it was. Raises ``ValueError`` when
@@ -175,7 +175,7 @@ def plan(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, mem
     if precisions is None:
         bf16 = device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_bf16_supported())
         precisions = ("fp32", "bf16") if bf16 else ("fp32",)
-    one_device = 1 in sizes  # chapter 11's options run without tensor parallelism
+    one_device = 1 in sizes  # chapter 10's options run without tensor parallelism
     kernels = _switch("fused", fused, True, one_device and any(isinstance(m, CausalSelfAttention)
                                                                 for m in model.modules()),
                       "a model with CausalSelfAttention layers, on a layout without tensor parallelism")
@@ -208,7 +208,7 @@ def plan(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, mem
             continue
         dp = world_size // t
         per_rank = global_batch // dp
-        # TP runs with FSDP2 over the data-parallel ranks (chapter 10); plain data parallelism takes any stage
+        # TP runs with FSDP2 over the data-parallel ranks (chapter 09); plain data parallelism takes any stage
         stages = [0] if dp == 1 else [0, 1, 2, 3] if t == 1 else [3]
         for s in stages:
             for off in offloads if t == 1 and k == 1 and s < 3 else [False]:
@@ -248,7 +248,7 @@ def plan(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, mem
                    f"{predict_peak(meas, plain, world_size)['total'] / MiB:.1f} MiB.")
     if cfg.offload:
         why.append(f"Offloading moves {offload_bytes(meas, cfg) / 1e6:.1f} MB per step over the host link (priced "
-                   f"at {host_bandwidth / 1e9:.0f} GB/s)" + ("; on a CPU machine that is chapter 11's simulation: "
+                   f"at {host_bandwidth / 1e9:.0f} GB/s)" + ("; on a CPU machine that is chapter 10's simulation: "
                                                             "the host is the same memory, nothing is saved"
                                                             if device.type == "cpu" else "") + ".")
     if len(fits) > 1:

@@ -1,4 +1,4 @@
-"""Chapter 11's FSDP2 run with and without ``CPUOffloadPolicy``: per-rank memory and step time.
+"""Chapter 10's FSDP2 run with and without ``CPUOffloadPolicy``: per-rank memory and step time.
 
     torchrun --nproc-per-node 2 -m course_lib.workers.fsdp_offload --cfg '{"d_model": 1024, ...}'
 

@@ -1,4 +1,4 @@
-"""Chapter 10's experiment: one transformer block split over ranks, by hand and by torch's API, and a 2-D mesh.
+"""Chapter 09's experiment: one transformer block split over ranks, by hand and by torch's API, and a 2-D mesh.
 
     torchrun --nproc-per-node 4 -m course_lib.workers.tp_compare --tasks ops,byhand,api,mesh
 

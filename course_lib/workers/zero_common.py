@@ -101,7 +101,7 @@ def shard_fsdp2(model: TinyTransformer, reshard_after_forward: bool = True,
     parameter is gathered twice per step, as in the paper's stage 3.
     ``mp_policy``: a ``MixedPrecisionPolicy``; ``offload_policy``: an
     ``OffloadPolicy`` (``CPUOffloadPolicy()`` keeps the shards on the host,
-    chapter 11), the same for every part.
+    chapter 10), the same for every part.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
