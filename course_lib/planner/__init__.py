@@ -2,7 +2,7 @@
 
 For every combination of precision (chapter 05), micro-batch with gradient accumulation (chapters 02-03),
 activation checkpointing (chapter 05), ZeRO stage (chapter 08), tensor-parallel size (chapter 09), and chapter
-11's fused attention, chunked loss and activation offload, predict the peak bytes per device and the step time;
+10's fused attention, chunked loss and activation offload, predict the peak bytes per device and the step time;
 keep the fastest that fits. The package reads in that order:
 
 - ``config``: ``Config``, one way to run a step, the planner's answer;

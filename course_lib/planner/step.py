@@ -3,7 +3,7 @@
 The capstone verifies every plan by running it. Each lever of a ``Config`` is a context manager that changes the
 model in place for the step and restores it after, also after an error: ``autocast`` (chapter 05's bf16),
 ``checkpointing`` (chapter 05), ``attention_kernel`` (chapter 10's fused attention) and ``offloading`` (chapter
-11); the micro-batches accumulate (chapter 03), and the loss may run in chunks (chapter 10). ``measure_peak``
+10); the micro-batches accumulate (chapter 03), and the loss may run in chunks (chapter 10). ``measure_peak``
 counts what ``predict.predict_peak`` predicts: the states, the batch, and the step's peak above them
 (``memory.peak_bytes``).
 """
