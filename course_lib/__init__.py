@@ -15,7 +15,7 @@ listed above it:
 - ``distributed/``: data parallelism by hand (chapter 06), pipelines (07), ZeRO and FSDP2 (08), tensor and
   sequence parallelism (09), and the launcher that starts their workers;
 - ``offload`` and ``chunked_loss``: memory beyond splitting (chapter 10);
-- ``planner/``: the capstone, measure, predict and search a configuration for a memory budget (chapter 11);
+- ``planner/``: the capstone, measure, predict and search a configuration for a memory budget (chapter 12);
 - ``workers/``: the ``torchrun`` entry points that the distributed chapters start, and the typed results they
   report.
 

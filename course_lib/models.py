@@ -1,4 +1,4 @@
-"""Small models (every chapter, 00 to 11).
+"""Small models (every chapter, 00 to 12).
 
 - ``ResNet``: a CIFAR-style residual network whose normalisation layer is an
   argument (``norm_layer(channels) -> nn.Module``), so chapter 04 can swap

@@ -1,4 +1,4 @@
-"""Distributed training (chapters 06-09; chapters 10 and 11 launch its workers too).
+"""Distributed training (chapters 06-09; chapters 10 and 12 launch its workers too).
 
 - ``launch``: run worker modules under torchrun from a notebook or a test; the worker's init/report/shutdown.
 - ``results``: the dataclasses workers report, rebuilt on the parent's side with ``from_dict``.

@@ -1,4 +1,4 @@
-"""Start distributed workers from a notebook or a test, and the worker's side of it (chapters 06-11).
+"""Start distributed workers from a notebook or a test, and the worker's side of it (chapters 06-12).
 
 Parent side: ``run("course_lib.workers.selftest", nproc=2)`` runs
 

@@ -1,4 +1,4 @@
-"""Plan a training configuration for a memory budget (chapter 11, the capstone): measure, predict, search.
+"""Plan a training configuration for a memory budget (chapter 12, the capstone): measure, predict, search.
 
 For every combination of precision (chapter 05), micro-batch with gradient accumulation (chapters 02-03),
 activation checkpointing (chapter 05), ZeRO stage (chapter 08), tensor-parallel size (chapter 09), and chapter

@@ -1,4 +1,4 @@
-"""What the planner chooses: a ``Config``, one way to run a training step on each rank (chapter 11, sections 2-3).
+"""What the planner chooses: a ``Config``, one way to run a training step on each rank (chapter 12, sections 2-3).
 
 Each field is a lever an earlier chapter explains: the precision (chapter 05's bf16 autocast), the micro-batch
 and its accumulation steps (chapters 02-03), the checkpoint segments (chapter 05), the ZeRO stage (chapter 08),

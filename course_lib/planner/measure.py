@@ -1,4 +1,4 @@
-"""Measure a model once: ``calibrate`` gives the ``Measurements`` every prediction reads (chapter 11, section 3).
+"""Measure a model once: ``calibrate`` gives the ``Measurements`` every prediction reads (chapter 12, section 3).
 
 A step peaks in the forward/backward pass (states + saved activations + the running op's temporaries: affine in
 the micro-batch ``m``) or in the optimizer step (states + Adam's temporaries: constant). A line through

@@ -1,4 +1,4 @@
-"""Predict a ``Config``'s peak bytes and step time from the ``Measurements``: arithmetic only (chapter 11, section 3).
+"""Predict a ``Config``'s peak bytes and step time from the ``Measurements``: arithmetic only (chapter 12, section 3).
 
 Checkpointing follows from the bytes one block saves (chapter 05; Chen et al. 2016: ``k - 1`` segment inputs
 kept, at most ``ceil(n/k)`` blocks rebuilt at once); ZeRO divides the states (``memory.zero_memory``) and adds

@@ -1,4 +1,4 @@
-"""Search: ``plan`` weighs every candidate ``Config``, keeps the fastest that fits, says why (chapter 11, section 3).
+"""Search: ``plan`` weighs every candidate ``Config``, keeps the fastest that fits, says why (chapter 12, section 3).
 
 For every combination of precision, micro-batch with accumulation, checkpoint segments, ZeRO stage,
 tensor-parallel layout and chapter 10's options, ``plan`` takes the largest micro-batch whose predicted peak
@@ -29,7 +29,7 @@ from course_lib.planner.predict import (DEFAULT_BANDWIDTH, DEFAULT_HOST_BANDWIDT
 from course_lib.planner.step import LossFn
 
 MiB = 2**20
-# The prediction's error measured in chapter 11 is a few percent either way, and allocators fragment.
+# The prediction's error measured in chapter 12 is a few percent either way, and allocators fragment.
 DEFAULT_HEADROOM = 0.05
 TIMING_MAX_MICRO = 64  # larger timed passes would slow planning and add little
 # A chunk of the loss keeps at least this many tokens at micro-batch 1: with fewer, chapter 10's formula for the

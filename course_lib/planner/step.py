@@ -1,4 +1,4 @@
-"""A ``Config`` run for real: ``train_step``, and ``measure_peak``, its measured peak (chapter 11, section 2 on).
+"""A ``Config`` run for real: ``train_step``, and ``measure_peak``, its measured peak (chapter 12, section 2 on).
 
 The capstone verifies every plan by running it. Each lever of a ``Config`` is a context manager that changes the
 model in place for the step and restores it after, also after an error: ``autocast`` (chapter 05's bf16),

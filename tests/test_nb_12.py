@@ -1,4 +1,4 @@
-"""Chapter 11's claims (the capstone), measured by the notebook at the test profile."""
+"""Chapter 12's claims (the capstone), measured by the notebook at the test profile."""
 
 from __future__ import annotations
 
@@ -12,62 +12,62 @@ pytestmark = pytest.mark.notebook
 
 @pytest.fixture(scope="module")
 def c() -> dict:
-    return notebook_claims("11")
+    return notebook_claims("12")
 
 
 def test_a_line_through_tiny_micro_batches_fails(c: dict, profile: str) -> None:
-    assert c["ch11/naive_over_measured"] < 0.7  # the line through m = 1, 2 misses most of the peak at the batch
+    assert c["ch12/naive_over_measured"] < 0.7  # the line through m = 1, 2 misses most of the peak at the batch
     if profile in ("smoke", "cpu"):  # the text says so at these sizes: the optimizer step is the flat part
-        assert c["ch11/optimizer_moment_higher_at_1"] is True
-    lo, hi = c["ch11/first_moments_over_single"]
+        assert c["ch12/optimizer_moment_higher_at_1"] is True
+    lo, hi = c["ch12/first_moments_over_single"]
     assert 0.98 <= lo <= hi <= 1.02  # one micro-batch: max(first forward/backward, optimizer step) is its peak
-    lo, hi = c["ch11/moments_over_accumulated"]
+    lo, hi = c["ch12/moments_over_accumulated"]
     assert 0.98 <= lo <= hi <= 1.02  # max(forward/backward, optimizer step) is the peak under accumulation
-    lo, hi = c["ch11/moments_minus_single_over_grads"]
+    lo, hi = c["ch12/moments_minus_single_over_grads"]
     assert -0.02 <= lo <= hi <= 1.02  # without accumulation: overstated by at most the gradients, never under
 
 
 def test_planner_predictions_hold(c: dict, profile: str) -> None:
     if profile == "smoke":
-        assert c["ch11/plan_seconds"] < 20  # a few seconds on two idle cores
-    assert c["ch11/candidates_checked"] >= 3
-    lo, hi = c["ch11/accumulating_measured_over_predicted"]
+        assert c["ch12/plan_seconds"] < 20  # a few seconds on two idle cores
+    assert c["ch12/candidates_checked"] >= 3
+    lo, hi = c["ch12/accumulating_measured_over_predicted"]
     assert 0.95 <= lo <= hi <= 1.03
-    if c["ch11/single_measured_over_predicted"] is not None:
-        lo, hi = c["ch11/single_measured_over_predicted"]
+    if c["ch12/single_measured_over_predicted"] is not None:
+        lo, hi = c["ch12/single_measured_over_predicted"]
         assert 0.75 <= lo <= hi <= 1.03
 
 
 def test_impossible_budget_is_a_clear_error(c: dict) -> None:
-    msg = c["ch11/impossible_budget_error"]
+    msg = c["ch12/impossible_budget_error"]
     assert msg.startswith("nothing fits") and "smallest configuration" in msg
     needed = float(re.search(r"\) needs (\d+\.\d+) MiB", msg).group(1))
-    assert needed > 0.95 * c["ch11/impossible_budget_mib"]  # more than the usable part of the budget
+    assert needed > 0.95 * c["ch12/impossible_budget_mib"]  # more than the usable part of the budget
     assert "Use a budget of at least" in msg
 
 
 def test_largest_model_fits_fills_and_matches(c: dict) -> None:
-    assert c["ch11/largest_model_index"] >= 1  # the budget admits more than the smallest ladder model
-    assert c["ch11/next_model_fits"] is False  # and the next one up really does not fit
-    over = c["ch11/measured_peak_over_budget"]
+    assert c["ch12/largest_model_index"] >= 1  # the budget admits more than the smallest ladder model
+    assert c["ch12/next_model_fits"] is False  # and the next one up really does not fit
+    over = c["ch12/measured_peak_over_budget"]
     # fits, and not far below: micro-batches come in divisors of the batch (at most 2x apart) and the
     # ladder in steps, so 0.7 of the budget is what the grid can promise
     assert 0.7 <= over <= 1.0
-    assert 0.85 <= c["ch11/measured_over_predicted"] <= 1.03
+    assert 0.85 <= c["ch12/measured_over_predicted"] <= 1.03
 
 
 def test_the_planned_model_learns(c: dict) -> None:
-    first, last = c["ch11/loss_first_last"]
-    assert c["ch11/loss_decreased"] is True and last < 0.9 * first
+    first, last = c["ch12/loss_first_last"]
+    assert c["ch12/loss_decreased"] is True and last < 0.9 * first
 
 
 def test_zero_makes_room_and_matches_real_ranks(c: dict, profile: str) -> None:
     # a device with 80% of the model states: nothing fits on one, ZeRO (stage >= 1) fits it over 4 ranks
-    assert c["ch11/small_device_one_rank_fits"] is False
-    assert c["ch11/small_device_world4_stage"] >= 1
-    assert c["ch11/small_device_world4_peak_over_budget"] <= 0.95
-    assert c["ch11/held_over_predicted_worst"] < 0.01  # states held per rank on 2 gloo ranks vs the formulas
-    peaks = c["ch11/ranks_peak_measured_over_predicted"]  # [min, max] over the ranks of measured / predicted peak
+    assert c["ch12/small_device_one_rank_fits"] is False
+    assert c["ch12/small_device_world4_stage"] >= 1
+    assert c["ch12/small_device_world4_peak_over_budget"] <= 0.95
+    assert c["ch12/held_over_predicted_worst"] < 0.01  # states held per rank on 2 gloo ranks vs the formulas
+    peaks = c["ch12/ranks_peak_measured_over_predicted"]  # [min, max] over the ranks of measured / predicted peak
     if peaks is None:  # the plan was measured on a GPU, the two ranks ran on the CPU
         assert profile == "gpu"
         return
@@ -78,43 +78,43 @@ def test_zero_makes_room_and_matches_real_ranks(c: dict, profile: str) -> None:
     assert 0.9 <= peaks["stage3"][0], peaks["stage3"]
     # FSDP2 on gloo: when its asynchronous reduce-scatters finish moves the peak between runs (seen at smoke, on a
     # loaded machine: -0.76 to +0.89 blocks' parameters, measured / predicted 0.946 to 1.063)
-    lo, hi = c["ch11/fsdp2_peak_minus_predicted_blocks"]
+    lo, hi = c["ch12/fsdp2_peak_minus_predicted_blocks"]
     assert -2 <= lo <= hi <= 2, (lo, hi)
 
 
 def test_tensor_parallelism_fits_fewer_sequences_than_ranks(c: dict) -> None:
-    alone = c["ch11/tp_data_parallel_alone"]
+    alone = c["ch12/tp_data_parallel_alone"]
     assert "does not split evenly over 4 ranks" in alone["4 ranks"]  # 2 sequences, 4 data-parallel ranks
     assert alone["2 ranks"].startswith("nothing fits")  # the 2 ranks it could use: over the budget
     needed = float(re.search(r"\) needs (\d+\.\d+) MiB", alone["2 ranks"]).group(1))
     usable = float(re.search(r"MiB per device \((\d+\.\d+) usable\)", alone["2 ranks"]).group(1))
     assert needed > usable
-    plan = c["ch11/tp_plan"]
+    plan = c["ch12/tp_plan"]
     assert plan["tp"] > 1 and plan["dp"] * plan["tp"] == 4 and plan["sequence_parallel"] is True
     assert plan["zero_stage"] == (3 if plan["dp"] > 1 else 0)  # FSDP2 over the data-parallel ranks
-    assert c["ch11/tp_plan_peak_over_budget"] <= 0.95
+    assert c["ch12/tp_plan_peak_over_budget"] <= 0.95
 
 
 def test_tensor_parallel_plan_matches_real_ranks(c: dict) -> None:
-    r = c["ch11/tp_measured_over_predicted"]
+    r = c["ch12/tp_measured_over_predicted"]
     for part in ("params", "grads"):  # byte counts, exact but for the rounding of a shard to whole bytes
         assert all(abs(v - 1) < 1e-5 for v in r[part]), (part, r[part])
     assert all(abs(v - 1) < 1e-9 for v in r["saved activations"]), r["saved activations"]
     lo, hi = r["optimizer"]
     assert 1.0 <= lo <= hi < 1.001  # and Adam's step counters, one 4-byte tensor per parameter tensor
-    assert c["ch11/tp_loss_diff"] < 1e-5  # the mesh trains what one process trains
+    assert c["ch12/tp_loss_diff"] < 1e-5  # the mesh trains what one process trains
 
 
 def test_chapter_11_options_fit_long_sequences(c: dict, profile: str) -> None:
-    assert c["ch11/c10_without_options"].startswith("nothing fits")  # no splitting fits the T^2 and NV terms
-    plan, counts = c["ch11/c10_plan"], c["ch11/c10_fitting"]
+    assert c["ch12/c10_without_options"].startswith("nothing fits")  # no splitting fits the T^2 and NV terms
+    plan, counts = c["ch12/c10_plan"], c["ch12/c10_fitting"]
     assert plan["fused"] is True and counts["fit"] >= 1 and counts["fused"] == counts["fit"]
-    assert c["ch11/c10_offload_searched"] is (profile == "gpu")  # never on a CPU, where the host is the device
+    assert c["ch12/c10_offload_searched"] is (profile == "gpu")  # never on a CPU, where the host is the device
     if profile in ("smoke", "cpu"):  # the text says so at these sizes: every configuration that fits has both
         assert plan["loss_chunks"] > 1 and counts["chunked"] == counts["fit"] and counts["offloaded"] == 0
     # fits, on the safe side of the prediction (fp32 within a few percent, bf16 chunks and offload err high)
-    assert c["ch11/c10_measured_over_budget"] <= 1.0
-    assert 0.8 <= c["ch11/c10_measured_over_predicted"] <= 1.03
+    assert c["ch12/c10_measured_over_budget"] <= 1.0
+    assert 0.8 <= c["ch12/c10_measured_over_predicted"] <= 1.03
     # the same micro-batches without chapter 10's options do not fit, measured and predicted alike
-    assert c["ch11/c10_without_measured_over_budget"] > 1.0 and c["ch11/c10_without_predicted_over_budget"] > 1.0
-    assert 0.8 <= c["ch11/c10_without_measured_over_predicted"] <= 1.03
+    assert c["ch12/c10_without_measured_over_budget"] > 1.0 and c["ch12/c10_without_predicted_over_budget"] > 1.0
+    assert 0.8 <= c["ch12/c10_without_measured_over_predicted"] <= 1.03
