@@ -112,7 +112,8 @@ def _numbers(listed: str) -> tuple[tuple[int, ...], bool]:
 
 
 def _topic_before(text: str, start: int) -> str:
-    """The words before ``(NN)`` back to the previous punctuation: "then the capstone" in "...; then the capstone (12)"."""
+    """The words before ``(NN)`` back to the previous punctuation: "then the capstone" in "...; then the capstone
+    (12)"."""
     before = re.split(r"[.;:,()\[\]]|\n\n|\*\*", text[max(0, start - 120):start])[-1]
     return before.strip()
 
@@ -259,7 +260,8 @@ def test_every_notebook_is_a_numbered_chapter():
 
 @pytest.mark.parametrize("path", sources(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_references_resolve(path: Path):
-    found = [f"{where}: {p}" for where, text in prose_of(path) for p in problems(text, CHAPTERS, own_chapter(path), ABOUT)]
+    own = own_chapter(path)
+    found = [f"{where}: {p}" for where, text in prose_of(path) for p in problems(text, CHAPTERS, own, ABOUT)]
     assert not found, "\n".join(found)
 
 
@@ -293,8 +295,8 @@ TITLES_00_10 = {
     10: "Memory beyond splitting: fused attention, offloading, a chunked loss and the compiler's budget"}
 THEN = TITLES_00_10 | {11: "Capstone: plan the largest model for a memory budget"}
 NOW = TITLES_00_10 | {11: "Context and expert parallelism", 12: "Capstone: plan the largest model for a memory budget"}
-CAPSTONE_ROW = ("capstone: plan the largest model for a memory budget (precision, accumulation, checkpointing, ZeRO, tensor "
-                "parallelism, fused attention, a chunked loss, offload), then verify the plan by measurement")
+CAPSTONE_ROW = ("capstone: plan the largest model for a memory budget (precision, accumulation, checkpointing, ZeRO, "
+                "tensor parallelism, fused attention, a chunked loss, offload), then verify the plan by measurement")
 ABOUT_THEN = {k: v for k, v in ABOUT.items() if k <= 10} | {11: CAPSTONE_ROW}
 ABOUT_NOW = {k: v for k, v in ABOUT.items() if k <= 10} | {11: "ring attention, experts over ranks", 12: CAPSTONE_ROW}
 
@@ -316,7 +318,8 @@ def test_catches_the_capstones_prerequisites():
     assert any("prerequisites name chapter(s) [11]" in p for p in found), found
     # renumbered: 09 is tensor parallelism, 10 fused attention; naming 10's topic as 11 is still caught
     assert not problems(OLD_CAPSTONE_PREREQS.replace("10 (", "09 (").replace("11 (", "10 ("), NOW, 12, ABOUT_NOW)
-    assert any("'11 (fused attention" in p and "chapter 10" in p for p in problems(OLD_CAPSTONE_PREREQS, NOW, 12, ABOUT_NOW))
+    found = problems(OLD_CAPSTONE_PREREQS, NOW, 12, ABOUT_NOW)
+    assert any("'11 (fused attention" in p and "chapter 10" in p for p in found), found
 
 
 def test_catches_the_capstone_numbered_12_while_it_was_11():
