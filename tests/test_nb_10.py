@@ -79,6 +79,10 @@ def test_compile_budget_claims(profile):
     assert abs(c["ch10/compile_saved_fraction_budget_1"] - 1) < 0.02
     assert c["ch10/compile_extra_flops_budget_0"] > 0.1
     assert abs(c["ch10/compile_extra_flops_budget_1"]) < 1e-9
+    # budget 0 is not full checkpointing: it reruns the forward pass but for the block's last matmul, whose output
+    # no gradient reads, so less than the third of a step a whole forward would cost
+    assert abs(c["ch10/compile_budget_0_recomputed_over_forward_but_last_matmul"] - 1) < 1e-6
+    assert c["ch10/compile_extra_flops_budget_0"] < 1 / 3 - 0.01
     if profile == "cpu":  # inductor's partition is the one measured
         assert c["ch10/compile_inductor_saved_over_partitioner"] == 1
 

@@ -80,6 +80,10 @@ def test_zero_makes_room_and_matches_real_ranks(c: dict, profile: str) -> None:
     # loaded machine: -0.76 to +0.89 blocks' parameters, measured / predicted 0.946 to 1.063)
     lo, hi = c["ch12/fsdp2_peak_minus_predicted_blocks"]
     assert -2 <= lo <= hi <= 2, (lo, hi)
+    # the text: for this small model two blocks' parameters are a good share of the peak, so FSDP2's measured /
+    # predicted ratio may be several percent off and still within its tolerance
+    assert c["ch12/fsdp2_two_blocks_over_predicted"] > 0.05
+    assert peaks["stage3"][0] >= 1 - c["ch12/fsdp2_two_blocks_over_predicted"]
 
 
 def test_tensor_parallelism_fits_fewer_sequences_than_ranks(c: dict) -> None:
