@@ -65,7 +65,7 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
 DEFAULT_BUCKET_MB = 25.0  # PyTorch DDP's bucket_cap_mb (MiB)
 # Stage 2: reduce-scatters started and not yet finished. Each holds its bucket's full gradient until it is
 # done, so the peak grows by a bucket per one in flight; two keep the network busy while the next bucket fills.
-MAX_IN_FLIGHT = 2
+MAX_IN_FLIGHT = 1
 
 
 def shard_bounds(numel: int, world_size: int, rank: int) -> tuple[int, int]:
