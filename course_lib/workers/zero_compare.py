@@ -67,7 +67,9 @@ METHODS = ("ddp", "zero1", "zero2", "zero_redundancy", "fsdp2", "fsdp2_keep", "f
 EXACT_METHODS = ("ddp", "zero1", "zero2", "zero_redundancy", "fsdp2")  # fp32 ones, to repeat in float64
 # The steps whose peak is measured: from step 1 on Adam's state exists, and DDP rebuilds its buckets in the
 # forward of step 1 (freeing buffers allocated before the window, which the CPU profiler would not see).
-# Each measurement is an upper bound (``memory.replay_allocations``); the lower of two is the tighter one.
+# On the CPU each measurement errs high for this thread's tensors (``memory.replay_allocations``: a buffer gloo frees
+# on its own thread counts until its address is reused); the lower of two is the tighter one. Gloo makes its
+# buffers on the calling thread, so none is missed; a tensor made on another thread would be.
 MEASURED_STEPS = (2, 3)
 
 
