@@ -22,7 +22,7 @@ buffer cut into buckets (``ddp.assign_buckets``: backward order, at most
 of every bucket. Stage 1 keeps a full gradient buffer and reduce-scatters it,
 bucket by bucket, in ``step``. Stage 2 starts each bucket's reduce-scatter
 from the gradient hooks as soon as the backward has produced it, without
-waiting for it (at most ``MAX_IN_FLIGHT`` at once, as FSDP2), keeps only its
+waiting for it (``max_in_flight`` of them, as FSDP2), keeps only its
 own averaged slice and frees the rest, so the full gradient never exists at
 once and the communication overlaps the rest of the backward (DeepSpeed's and
 FSDP's way).
@@ -63,8 +63,8 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.RAdam, torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Rprop,
 )
 DEFAULT_BUCKET_MB = 25.0  # PyTorch DDP's bucket_cap_mb (MiB)
-# Stage 2: reduce-scatters started and not yet finished. Each holds its bucket's full gradient until it is
-# done, so the peak grows by a bucket per one in flight; two keep the network busy while the next bucket fills.
+# Stage 2: reduce-scatters left running while the backward goes on (0: wait for each at once). Each holds its
+# bucket's full gradient (and, on gloo, a copy of it) until it is done: the peak grows by that per one in flight.
 MAX_IN_FLIGHT = 1
 
 
@@ -167,7 +167,7 @@ class ZeroOptimizer:
     """
 
     def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], stage: int,
-                 bucket_cap_mb: float = DEFAULT_BUCKET_MB, **optimizer_kwargs):
+                 bucket_cap_mb: float = DEFAULT_BUCKET_MB, max_in_flight: int = MAX_IN_FLIGHT, **optimizer_kwargs):
         if stage not in (1, 2):
             raise ValueError(f"ZeroOptimizer implements stages 1 and 2, got {stage}; stage 3 shards the "
                              "parameters as well: use torch.distributed.fsdp.fully_shard (chapter 08)")
@@ -175,6 +175,9 @@ class ZeroOptimizer:
             names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
             raise ValueError(f"optimizer_cls must be an element-wise torch optimizer class ({names}); got "
                              f"{optimizer_cls!r}. Flat shards would change the meaning of per-tensor optimizers.")
+        if not (isinstance(max_in_flight, int) and max_in_flight >= 0):
+            raise ValueError(f"max_in_flight must be an int >= 0 (0: wait for each reduce-scatter at once), "
+                             f"got {max_in_flight!r}")
         if not dist.is_initialized():
             raise RuntimeError("ZeroOptimizer needs a process group: call launch.init_distributed() first "
                                "(or torch.distributed.init_process_group)")
@@ -185,7 +188,7 @@ class ZeroOptimizer:
         if len(dtypes) > 1 or len(devices) > 1:
             raise ValueError(f"all parameters must share one dtype and device for the flat buffer; got "
                              f"dtypes {dtypes} and devices {devices}")
-        self.stage = stage
+        self.stage, self.max_in_flight = stage, max_in_flight
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         # The layout: bucket after bucket, each padded to a multiple of N (at most N-1 zeros,
         # which get zero gradients and zero updates); rank r owns slice r of every bucket.
@@ -346,15 +349,15 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def _reduce(self, b: _Bucket) -> None:
-        """Start bucket ``b``'s reduce-scatter without waiting for it (first finishing the oldest in flight)."""
-        if len(self._pending) >= MAX_IN_FLIGHT:
-            self._finish()
+        """Start bucket ``b``'s reduce-scatter; wait only for those beyond ``max_in_flight``, oldest first."""
         full = b.grad if b.grad is not None else b.zeros()  # no gradient of it arrived on this rank
         out = torch.empty(b.slots, dtype=full.dtype, device=full.device)
         work = comm.reduce_scatter(out, full, counter=self.counter, async_op=True)  # (N-1)/N x the bucket's bytes
         self._pending.append((b, out, full, work))  # ``full`` must live until the collective is done
         b.grad = None
         self._next += 1
+        while len(self._pending) > self.max_in_flight:
+            self._finish()
 
     @torch.no_grad()
     def _finish(self) -> None:
