@@ -262,3 +262,8 @@ def test_stage1_refuses_gradients_changed_after_the_backward(one_rank_group) -> 
     opt.step()
     with pytest.raises(ValueError, match="positive"):
         opt.clip_grad_norm_(0)
+    # after step() each rank's .grad is the mean only in its own slice: a norm read from the model is wrong too
+    torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+    with pytest.raises(RuntimeError, match="after step"):
+        opt.zero_grad()
+    opt.zero_grad()  # said once; the next step starts clean

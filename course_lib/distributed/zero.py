@@ -66,6 +66,9 @@ DEFAULT_BUCKET_MB = 25.0  # PyTorch DDP's bucket_cap_mb (MiB)
 # Stage 2: reduce-scatters left running while the backward goes on (0: wait for each at once). Each holds its
 # bucket's full gradient (and, on gloo, a copy of it) until it is done: the peak grows by that per one in flight.
 MAX_IN_FLIGHT = 1
+MISUSE = ("(clip_grad_norm_ on the model?). Under ZeRO each rank holds its own, unaveraged gradient until step() "
+          "reduces it, and afterwards the mean only in its own slice: clip (or read the norm) with "
+          "ZeroOptimizer.clip_grad_norm_(max_norm) between the backward and step(); scale the loss to scale it")
 
 
 def shard_bounds(numel: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -156,8 +159,8 @@ class ZeroOptimizer:
     ``torch.nn.utils.clip_grad_norm_(model.parameters())`` cannot see the
     gradient (stage 2: there is none to see; stage 1: each rank's own,
     unaveraged one); use ``clip_grad_norm_`` here, between the backward and
-    ``step``. Stage 1 raises in ``step`` when the gradients were changed in
-    place since the backward. ``counter`` counts the training traffic; the
+    ``step``. Stage 1 raises, in ``step`` or in the next ``zero_grad``, when
+    the gradients were changed in place after the backward or after ``step``. ``counter`` counts the training traffic; the
     two flag all-reduces per backward and one per stage-2 ``step`` (a few
     bytes each) are counted in ``control_calls`` only.
 
@@ -258,6 +261,9 @@ class ZeroOptimizer:
                     b.piece.grad.zero_()
             self._reset_round()
             return
+        if self._grad_version is not None and self.flat_grads._version != self._grad_version:
+            self._grad_version = None
+            raise RuntimeError(f"the gradients were changed in place after step() {MISUSE}")
         self._grad_version = None
         if self.flat_grads is None:
             self.flat_grads = torch.zeros_like(self.flat_params)
@@ -426,10 +432,8 @@ class ZeroOptimizer:
         if self._reduced:
             return
         if self._grad_version is not None and self.flat_grads._version != self._grad_version:
-            raise RuntimeError("the gradients were changed in place after the backward (clip_grad_norm_ on the "
-                               "model?). Under ZeRO each rank holds its own, unaveraged gradient until step() "
-                               "reduces it, and afterwards only its slice of the mean: clip with "
-                               "ZeroOptimizer.clip_grad_norm_(max_norm), scale the loss to scale the gradient")
+            self._grad_version = None  # said once
+            raise RuntimeError(f"the gradients were changed in place after the backward {MISUSE}")
         grads = self._collect_grads()
         for b in self.buckets:
             out = torch.empty(b.slots, dtype=grads.dtype, device=grads.device)
@@ -456,6 +460,8 @@ class ZeroOptimizer:
         # The input is a copy of our slice because the output region contains it.
         for b in self.buckets:
             comm.all_gather(b.region(self.flat_params), b.piece.detach().clone(), counter=self.counter)
+        if self.stage == 1 and self.flat_grads is not None:  # zero_grad checks nobody changed them since
+            self._grad_version = self.flat_grads._version
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now: ``params``, ``grads``, ``optimizer`` (after ``step``: the ZeRO picture)."""
