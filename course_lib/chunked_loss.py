@@ -32,8 +32,13 @@ from torch.utils.checkpoint import checkpoint
 
 
 def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """One slice's logits, in fp32 at least: a softmax over tens of thousands of classes in 16 bits loses too much."""
-    z = F.linear(h, weight, bias)
+    """One slice's logits, in fp32 at least: a softmax over tens of thousands of classes in 16 bits loses too much.
+
+    Hidden states and weight may differ in precision (bf16 activations, an fp32 head): both are taken to the
+    wider one, a slice at a time (under autocast, autocast's cast comes first).
+    """
+    ct = torch.promote_types(h.dtype, weight.dtype)
+    z = F.linear(h.to(ct), weight.to(ct), None if bias is None else bias.to(ct))
     return z.to(torch.promote_types(z.dtype, torch.float32))
 
 
@@ -50,39 +55,82 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     Saves only its inputs. The backward pass recomputes each slice's logits and
     turns them into their gradient in place: ``(softmax - onehot) / N``.
+
+    Under autocast the forward's matmuls run in bf16; autograd runs a backward
+    with autocast off, so a recomputation there would give fp32 logits, the
+    gradient of another function. ``torch.amp.custom_fwd``/``custom_bwd``
+    record the forward's autocast state and restore it for the backward. They
+    take one device type, fixed when the class is defined: this class is the
+    CUDA one, and ``apply`` hands CPU tensors to its twin for the CPU.
     """
 
     @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
                 chunks: int) -> torch.Tensor:
-        _check(hidden, targets, chunks)
-        total = 0.0
-        for h, y in zip(hidden.chunk(chunks), targets.chunk(chunks)):
-            total = total + F.cross_entropy(_logits(h, weight, bias), y, reduction="sum")
-        ctx.save_for_backward(hidden, weight, bias, targets)
-        ctx.chunks = chunks
-        return total / len(hidden)
+        return _forward(ctx, hidden, weight, bias, targets, chunks)
 
     @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, grad: torch.Tensor):
-        hidden, weight, bias, targets = ctx.saved_tensors
-        scale = grad / len(hidden)
-        grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
-        grad_b = torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[2] else None
-        start = 0
-        for h, y in zip(hidden.chunk(ctx.chunks), targets.chunk(ctx.chunks)):
-            p = _logits(h, weight, bias).softmax(dim=-1)           # one slice's logits, then its softmax
-            p[torch.arange(len(y), device=y.device), y] -= 1       # d loss / d logits = softmax - onehot
-            p = p.mul_(scale).to(hidden.dtype)
-            if grad_h is not None:
-                grad_h[start:start + len(h)] = p @ weight
-            if grad_w is not None:
-                grad_w.addmm_(p.t(), h)                            # in place: no second weight-sized tensor
-            if grad_b is not None:
-                grad_b += p.sum(0)
-            start += len(h)
-        return grad_h, grad_w, grad_b, None, None
+        return _backward(ctx, grad)
+
+    @classmethod
+    def apply(cls, hidden: torch.Tensor, *args):  # type: ignore[override]
+        if cls is ChunkedLinearCrossEntropy and hidden.device.type == "cpu":
+            return _ChunkedLinearCrossEntropyCPU.apply(hidden, *args)
+        return super().apply(hidden, *args)
+
+
+class _ChunkedLinearCrossEntropyCPU(ChunkedLinearCrossEntropy):
+    """The same function, its autocast state recorded and restored for the CPU."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu")
+    def forward(ctx, hidden, weight, bias, targets, chunks):
+        return _forward(ctx, hidden, weight, bias, targets, chunks)
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx, grad):
+        return _backward(ctx, grad)
+
+
+def _forward(ctx, hidden, weight, bias, targets, chunks: int) -> torch.Tensor:
+    _check(hidden, targets, chunks)
+    total = 0.0
+    for h, y in zip(hidden.chunk(chunks), targets.chunk(chunks)):
+        total = total + F.cross_entropy(_logits(h, weight, bias), y, reduction="sum")
+    ctx.save_for_backward(hidden, weight, bias, targets)
+    ctx.chunks = chunks
+    return total / len(hidden)
+
+
+def _backward(ctx, grad: torch.Tensor):
+    hidden, weight, bias, targets = ctx.saved_tensors
+    ct = torch.promote_types(hidden.dtype, weight.dtype)  # the precision the slices are computed in
+    scale = grad / len(hidden)
+    grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+    # accumulated in the wider precision, returned in each input's own
+    grad_w = torch.zeros(weight.shape, dtype=ct, device=weight.device) if ctx.needs_input_grad[1] else None
+    grad_b = torch.zeros(bias.shape, dtype=ct, device=bias.device) if bias is not None and ctx.needs_input_grad[2] \
+        else None
+    w = weight.to(ct)
+    start = 0
+    for h, y in zip(hidden.chunk(ctx.chunks), targets.chunk(ctx.chunks)):
+        h = h.to(ct)
+        p = _logits(h, w, bias).softmax(dim=-1)                # one slice's logits, then its softmax
+        p[torch.arange(len(y), device=y.device), y] -= 1       # d loss / d logits = softmax - onehot
+        p = p.mul_(scale).to(ct)
+        if grad_h is not None:
+            grad_h[start:start + len(h)] = p @ w
+        if grad_w is not None:
+            grad_w.addmm_(p.t(), h)                            # in place: no second weight-sized tensor
+        if grad_b is not None:
+            grad_b += p.sum(0)
+        start += len(h)
+    return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
+            None if grad_b is None else grad_b.to(bias.dtype), None, None)
 
 
 def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ Training memory has four parts:
 ``measure`` counts what really exists after a step; ``zero_memory`` is ZeRO's
 formula for the first three parts on many devices. ``peak_bytes`` measures the
 peak during a step (CUDA's statistics, or on the CPU the profiler's allocation
-records), ``memory_timeline`` the whole curve of allocated bytes over a step,
+records, those of the calling thread), ``memory_timeline`` the whole curve of allocated bytes over a step,
 with its phases; both read the records with ``replay_allocations``.
 ``largest_fitting`` searches the largest size that fits (chapter 02). The same
 bytes predicted without running anything are in ``estimator``.
@@ -192,11 +192,12 @@ class MemoryTimeline:
 def replay_allocations(records: Iterable[tuple[int, int]]) -> list[int]:
     """Live bytes above the start after each ``(address, bytes)`` record: an allocation (bytes > 0) or a free.
 
-    A free is matched to its allocation by address. The profiler records only what happens on the threads it
-    runs in: a tensor made here but freed on another thread (gloo's workers free the buffers of a collective)
-    leaves no free behind. Its block is known to be gone, at the latest, when the allocator hands out the same
-    address again; one freed unseen and never reused counts to the end (an upper bound). A free with no
-    allocation seen is of a block made before: CUDA's allocator records those, and the curve goes below the start.
+    A free is matched to its allocation by address. The profiler records only what happens on the thread it
+    was started in: a tensor made here but freed on another thread (gloo's workers free the copy a
+    reduce-scatter makes of its input) leaves no free behind. Its block is known to be gone, at the latest, when
+    the allocator hands out the same address again; one freed unseen and never reused counts to the end (too
+    high). A tensor made on another thread leaves no record at all (too low). A free with no allocation seen
+    is of a block made before: CUDA's allocator records those, and the curve goes below the start.
     """
     live: dict[int, int] = {}
     now, curve = 0, []
@@ -216,7 +217,9 @@ def memory_timeline(fn: Callable[[], object], device: torch.device | str = "cpu"
     """Every allocation and free of ``device``'s allocator while ``fn()`` runs, in time order.
 
     Replays the profiler's allocation records (``replay_allocations``), so it sees temporaries that live only
-    inside an op. On the CPU, tensors made before ``fn`` are not seen at all, not even their frees. The parts of
+    inside an op. On the CPU, tensors made before ``fn`` are not seen at all, not even their frees, and neither
+    are tensors made on other threads (measured in ``tests/test_memory.py``: 8 MiB made on a Python thread
+    during ``fn`` leave no record). The parts of
     ``fn`` wrapped in ``torch.profiler.record_function(name)`` for a name in ``phases`` come back as time ranges.
     The profiler slows the step down: the time axis orders events, it does not time them.
     """
@@ -257,9 +260,12 @@ def memory_timeline(fn: Callable[[], object], device: torch.device | str = "cpu"
 def peak_bytes(fn: Callable[[], object], device: torch.device | str) -> int:
     """Peak bytes allocated on ``device`` while ``fn()`` runs, above what was allocated before.
 
-    On a GPU, CUDA's allocator statistics: exact, and cheap. On the CPU, the profiler's allocation records
-    replayed (``memory_timeline``): a tensor freed on a thread the profiler does not see (gloo's) stops
-    counting when its address is handed out again, so the figure is an upper bound there.
+    On a GPU, CUDA's allocator statistics: exact, and cheap, whatever thread allocates. On the CPU, the
+    profiler's allocation records replayed (``memory_timeline``): the peak of what *the calling thread*
+    allocates. A tensor made on another thread (a Python thread, a data loader's) is missed: the figure is no
+    bound on the process's memory. One made here and freed on another thread (the copy gloo's reduce-scatter
+    makes of its input, which gloo makes on the calling thread and frees on its own) counts until its
+    address is handed out again, so for the calling thread's own tensors the figure errs high.
     """
     if device_type(device) == "cuda":
         torch.cuda.synchronize(device)

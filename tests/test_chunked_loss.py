@@ -82,3 +82,42 @@ def test_chunked_loss_rejects_bad_input():
         chunked_loss.chunked_cross_entropy(h.view(2, 5, -1), w, b, y, 2)
     with pytest.raises(ValueError, match="chunks <= tokens"):
         chunked_loss.predict_loss_peak(10, 100, 8, 0)
+
+
+def _grads_under_bf16_autocast(fn, tensors):
+    for t in tensors:
+        t.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = fn()
+    loss.backward()
+    return loss.detach(), [t.grad.clone() for t in tensors]
+
+
+def test_by_hand_backward_differentiates_the_autocast_forward():
+    h, w, b, y = _head(N=64, d=16, V=500)
+    w.data.mul_(6)  # logits of a few units: bf16's rounding of them shows in the gradient
+    ref_loss, ref = _grads_under_bf16_autocast(lambda: F.cross_entropy(F.linear(h, w, b).float(), y), (h, w, b))
+    _, fp32 = _loss_and_grads(lambda: F.cross_entropy(F.linear(h, w, b), y), (h, w, b))
+    assert (fp32[0] - ref[0]).abs().max() > 1e-5, "the test wants bf16 logits that differ from fp32 ones"
+    for fn in (lambda: chunked_loss.ChunkedLinearCrossEntropy.apply(h, w, b, y, 4),
+               lambda: chunked_loss.chunked_cross_entropy(h, w, b, y, 4)):
+        loss, grads = _grads_under_bf16_autocast(fn, (h, w, b))
+        assert torch.allclose(loss, ref_loss, atol=1e-5)
+        # the backward recomputes the bf16 logits of the forward, not fp32 ones: the hidden states' gradient
+        # is autograd's to the bit (the weight's sums its slices in another order, in bf16 or fp32)
+        assert torch.allclose(grads[0], ref[0], atol=1e-7, rtol=0), (grads[0] - ref[0]).abs().max()
+        assert torch.allclose(grads[1], ref[1], atol=2e-3, rtol=0)
+
+
+def test_bf16_hidden_states_and_an_fp32_head():
+    h, w, b, y = _head(N=60, d=16, V=300)
+    hb = h.detach().bfloat16().requires_grad_()
+    h32 = hb.detach().float().requires_grad_()  # the same values, in fp32
+    ref_loss, ref = _loss_and_grads(lambda: F.cross_entropy(F.linear(h32, w, b), y), (h32, w, b))
+    for fn in (lambda: chunked_loss.ChunkedLinearCrossEntropy.apply(hb, w, b, y, 3),
+               lambda: chunked_loss.chunked_cross_entropy(hb, w, b, y, 3)):
+        loss, (gh, gw, gb) = _loss_and_grads(fn, (hb, w, b))
+        assert loss.dtype == torch.float32 and torch.allclose(loss, ref_loss, atol=1e-6)
+        assert (gh.dtype, gw.dtype, gb.dtype) == (torch.bfloat16, torch.float32, torch.float32)
+        assert torch.equal(gh, ref[0].bfloat16())  # computed in fp32, rounded once to the input's precision
+        assert torch.allclose(gw, ref[1], atol=1e-7) and torch.allclose(gb, ref[2], atol=1e-7)

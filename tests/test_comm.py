@@ -173,3 +173,18 @@ def test_ring_and_wrappers_on_nccl():
         assert r.max_abs_diff < 1e-5 and r.bytes == pytest.approx(r.tensor_bytes, abs=8)
     w = c.wrappers
     assert w.all_reduce_ok and w.reduce_scatter_ok and w.all_gather_ok and w.broadcast_ok
+
+
+def test_wrappers_call_this_torchs_names_without_deprecation_warnings(one_process_group):
+    """In this torch ``reduce_scatter_single``/``all_gather_single`` are the names; the older ones warn."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a FutureWarning from a deprecated name would fail here
+        out, full = torch.empty(4), torch.arange(4.0)
+        comm.reduce_scatter(out, full)
+        comm.all_gather(full, out.clone())
+    assert torch.equal(full, torch.arange(4.0))
+    if hasattr(dist, "reduce_scatter_single"):
+        with pytest.warns(FutureWarning, match="reduce_scatter_single"):
+            dist.reduce_scatter_tensor(out, full)

@@ -232,3 +232,40 @@ def test_attention_saved_bytes_is_what_the_layer_saves(fused):
         # qkv's input x and proj's input (B, T, C); on the CPU the latter is a copy of the fused kernel's output
         linears = 2 * 4 * x.numel()
         assert total - linears == estimator.attention_saved_bytes(3, T, 32, 4, fused=fused)
+
+
+def test_cpu_peak_is_the_calling_threads():
+    """What the CPU meter sees: 8 MiB made on this thread count; the same made on another thread do not."""
+    import threading
+
+    n = 8 << 20
+
+    def here():
+        t = torch.ones(n // 4)
+        del t
+
+    def elsewhere():
+        box = []
+        worker = threading.Thread(target=lambda: box.append(torch.ones(n // 4)))
+        worker.start()
+        worker.join()
+        assert box[0].numel() * 4 == n  # it existed, during fn, in this process
+        box.clear()
+
+    assert memory.peak_bytes(here, "cpu") == n
+    assert memory.peak_bytes(elsewhere, "cpu") < n // 8, "the profiler saw another thread's allocation"
+
+
+def test_cpu_peak_sees_the_copy_gloo_makes_of_a_reduce_scatter_input(tmp_path):
+    """Gloo copies a reduce-scatter's input on the calling thread: counted (frees on its threads come late)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        inp, out = torch.ones(1 << 20), torch.empty(1 << 20)
+        dist.reduce_scatter_single(out, inp)  # the first call sets gloo up
+        assert memory.peak_bytes(lambda: dist.reduce_scatter_single(out, inp), "cpu") == 4 << 20
+    finally:
+        dist.destroy_process_group()

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from course_lib import memory
-from course_lib.distributed import launch, tp_costs
+from course_lib.distributed import comm, launch, tp_costs
 from course_lib.distributed.tensor_parallel import (ColumnParallelLinear, HeadMajorAttention, TPBlock, TPGroup,
-                                                    head_major_order)
+                                                    head_major_order, sync_replicated_grads)
 from course_lib.workers.tp_common import saved_bytes_in
 from course_lib.workers.tp_results import TPReport
 from course_lib.workers.zero_common import RunConfig, build_model
@@ -293,3 +293,28 @@ def test_mesh_traffic(rep: TPReport) -> None:
     tp_rank_bytes = 4 * (split / 2 + whole)  # what one TP rank holds before FSDP shards it
     assert m.dp_sent_per_step == {"all_gather": pytest.approx(2 * 1 / 2 * tp_rank_bytes),
                                   "reduce_scatter": pytest.approx(1 / 2 * tp_rank_bytes)}
+
+
+def test_tp_block_refuses_to_train_with_dropout(one_rank_group) -> None:
+    model = build_model(RunConfig(d_model=24, n_heads=3, seq_len=6))
+    block = type(model.blocks[0])(24, 3, 6, dropout=0.1)  # the same block with attention dropout
+    tpb = TPBlock(block, TPGroup())
+    x = torch.randn(2, 6, 24)
+    with pytest.raises(ValueError, match="same masks for different heads"):
+        tpb(x)
+    tpb.eval(), block.eval()  # inference: no dropout, no masks to share
+    assert torch.allclose(tpb(x), block(x), atol=1e-6)
+
+
+def test_sync_replicated_grads_only_under_sequence_parallelism(one_rank_group) -> None:
+    block = build_model(RunConfig(d_model=24, n_heads=3, seq_len=6)).blocks[0]
+    for sp, calls in ((False, {}), (True, {"all_reduce": 1})):
+        tpb = TPBlock(block, TPGroup(), sequence_parallel=sp)
+        tpb(torch.randn(2, 6, 24)).sum().backward()
+        counter = comm.ByteCounter()
+        sync_replicated_grads(tpb, TPGroup(), counter)
+        # without sequence parallelism the replicated gradients are complete: a sum over t ranks would scale them
+        assert counter.calls == calls, sp
+    mixed = torch.nn.Sequential(TPBlock(block, TPGroup()), TPBlock(block, TPGroup(), sequence_parallel=True))
+    with pytest.raises(ValueError, match="mixes"):
+        sync_replicated_grads(mixed, TPGroup())

@@ -161,7 +161,8 @@ def test_zero_on_three_ranks() -> None:
     sizes = bucket_sizes(list(model.parameters()), cfg.bucket_mb)
     slots = sum(math.ceil(b / 4 / 3) for b in sizes)  # per rank: each bucket padded to a multiple of 3
     assert any((b // 4) % 3 for b in sizes), "the test wants buckets that do not split evenly"
-    out = run_workers(3, ["exact", "compare", "timeline"], cfg, ["ddp", "zero1", "zero2", "fsdp2"], timeout=240)
+    out = run_workers(3, ["exact", "compare", "timeline"], cfg, ["ddp", "zero1", "zero2", "fsdp2", "zero2_sync"],
+                      timeout=240)
     exact = out.exact
     assert exact.accumulation == 2
     for m, r in exact.methods.items():
@@ -184,8 +185,11 @@ def test_zero_on_three_ranks() -> None:
     assert abs(ratio / 1.5 - 1) < 0.05, f"FSDP2 sends {ratio:.3f} x DDP, expected 1.5"
     assert methods["ddp"].sent_per_step[0] == pytest.approx(2 * 2 / 3 * 4 * num_params, rel=1e-6)
     # the peak: what stage 1 holds and stage 2 does not, the full gradient less one slice, (N-1)/N x G
-    saving = [a - b for a, b in zip(methods["zero1"].peak, methods["zero2"].peak)]
+    saving = [a - b for a, b in zip(methods["zero1"].peak, methods["zero2_sync"].peak)]
     assert min(saving) >= 0.7 * 2 / 3 * 4 * num_params, f"stage 2 saves only {saving} bytes of peak"
+    # the price of the overlap: each reduce-scatter in flight keeps its bucket's gradient and gloo's copy of it
+    overlap = [a - b for a, b in zip(methods["zero2"].peak, methods["zero2_sync"].peak)]
+    assert all(0 < o <= zero.MAX_IN_FLIGHT * (2 + 1 / 3) * max(sizes) for o in overlap), (overlap, max(sizes))
     for m, r in methods.items():  # resident at the start of a step: the model states and the batch
         assert all(res < peak for res, peak in zip(r.resident, r.peak)), m
     # when the buckets leave: stage 2 during the backward, stage 1 only in step()
@@ -196,3 +200,70 @@ def test_zero_on_three_ranks() -> None:
     assert two.reduce_scatters_seen[-1] >= 1, "a bucket left before the backward reached its last gradient"
     assert two.reduce_scatters_seen == sorted(two.reduce_scatters_seen) and two.after_backward == len(sizes)
     assert two.full_grad_bytes_after_backward == 0 and two.slice_grad_bytes == 4 * slots
+
+
+class _WithSpare(torch.nn.Module):
+    """A tiny model whose ``spare`` layer is never used: first in the backward order, then unreached."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.spare = torch.nn.Linear(8, 8)  # registered last: its bucket is the first the backward would fill
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.tanh(self.first(x)))
+
+
+def test_stage2_starts_reduce_scatters_without_waiting_and_skips_unused_ones(one_rank_group, monkeypatch) -> None:
+    model = _WithSpare()
+    spare_before = [p.detach().clone() for p in model.spare.parameters()]
+    opt = ZeroOptimizer(model, torch.optim.Adam, 2, bucket_cap_mb=1e-4, lr=1e-2)  # about a bucket per tensor
+    assert len(opt.buckets) >= 5
+    started, in_flight = [], []
+    real = zero.comm.reduce_scatter
+
+    def spy(out, inp, **kw):
+        started.append(kw.get("async_op", False))
+        return real(out, inp, **kw)
+    monkeypatch.setattr(zero.comm, "reduce_scatter", spy)
+    seen = []
+    for p in (model.first.weight, model.first.bias):  # the last gradients of the backward
+        p.register_hook(lambda g: seen.append((opt.counter.calls.get("reduce_scatter", 0), len(opt._pending))))
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: in_flight.append(len(opt._pending)))
+    opt.zero_grad()
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    assert started and all(started), "every reduce-scatter is started asynchronously"
+    assert max(in_flight) == opt.max_in_flight == zero.MAX_IN_FLIGHT, "left running while the backward goes on"
+    assert not opt._pending, "every reduce-scatter finished by the end of the backward"
+    # the spare layer's bucket comes first in the backward order: counted unused at once, it holds nothing back
+    assert seen[-1][0] >= len(opt.buckets) - 2, f"buckets waited for the unused layer: {seen}"
+    spare = [b for b in opt.buckets if all(i >= 4 for i in b.params)]  # parameters 4 and 5: spare.weight, .bias
+    assert spare and all(b.piece.grad is None for b in spare), "no rank had a gradient for it: Adam must skip it"
+    opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.spare.parameters(), spare_before))
+    assert not torch.equal(model.first.weight, _WithSpare().first.weight), "the used layers were updated"
+
+
+def test_stage1_refuses_gradients_changed_after_the_backward(one_rank_group) -> None:
+    model = build_model(RunConfig(d_model=16, n_layers=1, seq_len=8))
+    opt = ZeroOptimizer(model, torch.optim.Adam, 1, lr=1e-2)
+    x, y = global_batch(RunConfig(d_model=16, n_layers=1, seq_len=8), 0)
+    opt.zero_grad()
+    lm_loss(model(x), y).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    with pytest.raises(RuntimeError, match="ZeroOptimizer.clip_grad_norm_"):
+        opt.step()
+    opt.zero_grad()  # the right way: clip through the optimizer, which sees the averaged slices
+    lm_loss(model(x), y).backward()
+    assert opt.clip_grad_norm_(1e-3) > 1e-3
+    assert sum(b.piece.grad.pow(2).sum() for b in opt.buckets).sqrt() == pytest.approx(1e-3, rel=1e-3)
+    opt.step()
+    with pytest.raises(ValueError, match="positive"):
+        opt.clip_grad_norm_(0)
+    # after step() each rank's .grad is the mean only in its own slice: a norm read from the model is wrong too
+    torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+    with pytest.raises(RuntimeError, match="after step"):
+        opt.zero_grad()
+    opt.zero_grad()  # said once; the next step starts clean

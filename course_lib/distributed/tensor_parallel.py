@@ -295,8 +295,15 @@ class TPBlock(nn.Module):
     With ``sequence_parallel`` its input and output are this rank's sequence
     shard and the replicated parameters (LayerNorms, row-parallel biases) see
     only their shard's rows: sum their gradients with ``sync_replicated_grads``.
-    Dropout inside the heads would need a different random stream per rank
-    (Megatron-LM's model-parallel RNG); the course's blocks use none.
+
+    Dropout raises in training: a copied ``nn.Dropout`` draws from the same
+    random state on every rank, so each rank's heads would get the masks of
+    the other ranks' heads, correlated where they must be independent. The fix
+    is a second random stream per rank, kept apart from the shared one that
+    replicated regions need (Megatron-LM's model-parallel RNG tracker), and
+    restored for every recomputation under checkpointing: more machinery
+    than the course's blocks, which use no dropout, justify. Inference
+    (``eval()``) runs, since dropout is off there.
     """
 
     def __init__(self, block: TransformerBlock, tp: TPGroup, sequence_parallel: bool = False, regather: bool = False):
@@ -313,8 +320,13 @@ class TPBlock(nn.Module):
         self.mlp = nn.Sequential(ColumnParallelLinear(block.mlp[0], tp, None, sp, regather),
                                  copy.deepcopy(block.mlp[1]), RowParallelLinear(block.mlp[2], tp, sp))
         self.tp = tp
+        self.dropout = float(getattr(attn, "dropout", 0.0) or 0.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.dropout > 0:
+            raise ValueError(f"TPBlock does not train with dropout (p={self.dropout}): every rank would draw the "
+                             "same masks for different heads. Build the model with dropout=0, or call eval() "
+                             "for inference")
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
@@ -327,7 +339,18 @@ def replicated_params(module: nn.Module) -> list[nn.Parameter]:
 
 
 def sync_replicated_grads(module: nn.Module, tp: TPGroup, counter: comm.ByteCounter | None = None) -> None:
-    """Sum the replicated parameters' gradients over ``tp`` (needed under sequence parallelism), in one message."""
+    """Sum the replicated parameters' gradients over ``tp`` under sequence parallelism, in one message.
+
+    Without sequence parallelism every rank saw the whole sequence: those
+    gradients are complete and equal on every rank already, and a sum would
+    multiply them by t. Then this does nothing.
+    """
+    modes = {m.sequence_parallel for m in module.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+    if len(modes) > 1:
+        raise ValueError("the module mixes sequence-parallel and plain tensor-parallel layers: the replicated "
+                         "gradients of the two parts need different treatment; sync each part on its own")
+    if modes != {True}:
+        return
     params = [p for p in replicated_params(module) if p.grad is not None]
     if not params:
         return

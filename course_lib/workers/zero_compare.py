@@ -63,11 +63,14 @@ from course_lib.workers.zero_common import (BucketTimeline, CompareResult, Metho
                                             build_model, gather_per_rank, global_batch, local_batch,
                                             mean_over_ranks, shard_fsdp2)
 
-METHODS = ("ddp", "zero1", "zero2", "zero_redundancy", "fsdp2", "fsdp2_keep", "fsdp2_bf16")
+# zero2_sync: ZeroOptimizer stage 2 waiting for each reduce-scatter at once (max_in_flight=0), to price the overlap
+METHODS = ("ddp", "zero1", "zero2", "zero_redundancy", "fsdp2", "fsdp2_keep", "fsdp2_bf16", "zero2_sync")
 EXACT_METHODS = ("ddp", "zero1", "zero2", "zero_redundancy", "fsdp2")  # fp32 ones, to repeat in float64
 # The steps whose peak is measured: from step 1 on Adam's state exists, and DDP rebuilds its buckets in the
 # forward of step 1 (freeing buffers allocated before the window, which the CPU profiler would not see).
-# Each measurement is an upper bound (``memory.replay_allocations``); the lower of two is the tighter one.
+# On the CPU each measurement errs high for this thread's tensors (``memory.replay_allocations``: a buffer gloo frees
+# on its own thread counts until its address is reused); the lower of two is the tighter one. Gloo makes its
+# buffers on the calling thread, so none is missed; a tensor made on another thread would be.
 MEASURED_STEPS = (2, 3)
 
 
@@ -153,8 +156,9 @@ def _setup(method: str, cfg: RunConfig, device: torch.device) -> _Method:
                 opt.step()
             return loss
         return _Method(model, zero_grad, step, lambda: held_bytes(model, opt), counter)
-    if method in ("zero1", "zero2"):
-        zopt = ZeroOptimizer(model, torch.optim.Adam, int(method[-1]), bucket_cap_mb=cfg.bucket_mb, lr=cfg.lr)
+    if method in ("zero1", "zero2", "zero2_sync"):
+        zopt = ZeroOptimizer(model, torch.optim.Adam, 1 if method == "zero1" else 2, bucket_cap_mb=cfg.bucket_mb,
+                             lr=cfg.lr, **({"max_in_flight": 0} if method == "zero2_sync" else {}))
 
         def step(x, y):
             zopt.zero_grad()

@@ -1,0 +1,42 @@
+"""ZeroOptimizer when the ranks disagree: a skipped backward, an error on one rank, clipping (chapter 08).
+
+One launch on 2 gloo ranks (``course_lib.workers.zero_faults``) with a short
+process-group timeout: a rank left waiting in a collective turns into a failed
+launch within seconds, not a hang.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from course_lib.distributed import launch
+from course_lib.workers.zero_faults import FaultChecks
+
+
+@pytest.fixture(scope="module")
+def checks() -> FaultChecks:
+    return FaultChecks.from_dict(launch.run("course_lib.workers.zero_faults", 2, ["--pg-timeout", "30"], timeout=150))
+
+
+def test_a_rank_that_skips_its_backward_leaves_no_one_waiting(checks):
+    s = checks.skip
+    assert s.ranks_equal, "the ranks hold different parameters"
+    assert max(s.max_diff) < 1e-12, f"not single-process Adam on the mean over the ranks: {s.max_diff}"
+    # rank 0: 2 backwards x 3 steps, each opened and closed by a flag all-reduce, and one per step()
+    assert s.control_calls == [15, 15]
+
+
+def test_a_gradient_arriving_twice_on_one_rank_raises_on_every_rank(checks):
+    t = checks.twice
+    assert all("rank(s) [1]" in e for e in t.errors), t.errors
+    assert "arrived twice" in t.errors[1] and "use_reentrant=False" in t.errors[1]
+    assert t.then_ok
+
+
+def test_sharded_clipping_equals_single_process_clipping(checks):
+    c = checks.clip
+    assert c.clipped, "the test wants a limit below the gradient's norm"
+    for stage in ("stage1", "stage2"):
+        assert c.max_diff[stage] < 1e-12, (stage, c.max_diff)
+        assert c.norm_diff[stage] < 1e-12, (stage, c.norm_diff)
+    assert all("ZeroOptimizer.clip_grad_norm_" in e for e in c.misuse_errors), c.misuse_errors
