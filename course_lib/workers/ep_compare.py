@@ -28,7 +28,11 @@ from course_lib.moe import MoEMLP, no_drop_factor
 from course_lib.workers.ep_results import EPReport, EPRun
 
 
-def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
+def _diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
+    """Largest difference; a missing gradient (an expert no token reached) counts as zeros."""
+    if a is None and b is None:
+        return 0.0
+    a, b = (torch.zeros_like(b) if a is None else a), (torch.zeros_like(a) if b is None else b)
     return (a - b).abs().max().item() if a.numel() else 0.0
 
 
