@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -189,12 +190,13 @@ def imbalance(tokens_per_expert: torch.Tensor) -> float:
 
 
 def balance_run(seed: int, aux_weight: float, n_experts: int = 8, k: int = 1, d_model: int = 16,
-                n_tokens: int = 512, steps: int = 60, lr: float = 1e-2, capacity_factor: float = 1.25) -> dict:
+                n_tokens: int = 512, steps: int = 60, lr: float = 1e-2, capacity_factor: float = 1.25,
+                factors: Sequence[float] = ()) -> dict:
     """Train a ``MoEMLP`` on ``teacher_task`` with Adam; the load before and after (chapter 11).
 
     Returns the imbalance (max / mean choices per expert) per step, the tokens
-    per expert after training, the drop rate at ``capacity_factor`` and the
-    task loss, first and last.
+    per expert after training, the drop rate at ``capacity_factor`` (and, after
+    training, at each of ``factors``) and the task loss, first and last.
     """
     torch.manual_seed(seed)
     x, y = teacher_task(seed, n_tokens, d_model)
@@ -209,7 +211,8 @@ def balance_run(seed: int, aux_weight: float, n_experts: int = 8, k: int = 1, d_
         (task + aux_weight * moe.aux_loss).backward()
         opt.step()
     with torch.no_grad():
+        logits = moe.router(x)
         moe(x)
-    return {"imbalance": loads + [imbalance(moe.routing.tokens_per_expert())],
+    return {"drop_vs_factor": {f: route(logits, k, f).drop_rate() for f in factors},"imbalance": loads + [imbalance(moe.routing.tokens_per_expert())],
             "tokens_per_expert": moe.routing.tokens_per_expert().tolist(),
             "drop_rate": moe.routing.drop_rate(), "loss": [losses[0], losses[-1]]}
