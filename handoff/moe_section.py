@@ -149,9 +149,10 @@ record("ch11/moe_aux_even_and_collapsed", {"even": even, "collapsed": collapsed,
 # %% [markdown]
 # A short training run shows what it does: the layer learns a random teacher MLP on clustered tokens
 # (`moe.teacher_task`), $k = 1$, capacity factor 1.25, with Adam, on several seeds, once without the auxiliary
-# loss and once with weight $\alpha$ (the profile's `moe_aux`; Switch used $10^{-2}$ next to a cross-entropy of a
-# few nats, our mean-squared error is about $0.5$ at the start). The load is measured as the most-loaded expert's
-# tokens over the mean (1 is even, $E$ is all on one expert):
+# loss and once with weight $\alpha$ (the profile's `moe_aux`; Switch used $10^{-2}$ beside a language model's
+# cross-entropy of a few nats; our task loss, a mean-squared error, is below 1 from the start, and $10^{-2}$ moves
+# the load only part of the way in so short a run). The load is measured as the most-loaded expert's tokens over
+# the mean (1 is even, $E$ is all on one expert):
 
 # %%
 seeds = list(range(S["moe_seeds"]))

@@ -21,8 +21,9 @@ def test_drop_rate_against_capacity_factor(c: dict) -> None:
     for name, curve in curves.items():
         rates = list(curve.values())
         assert rates == sorted(rates, reverse=True), f"{name}: more capacity never drops more"
-        assert rates[0] >= 0.4, f"{name}: at half the even share at least about half is dropped"
-        assert rates[-1] == 0.0, f"{name}: three times the even share drops nothing here"
+        # room for a fraction f of the choices drops at least 1 - f of them, and at f = 1 an uneven router drops some
+        assert all(r >= 1 - float(f) - EXACT for f, r in curve.items()), f"{name}: {curve}"
+        assert curve["1.0"] > 0 and rates[-1] < curve["1.0"] / 3, f"{name}: three times the room drops far less"
     tokens = c["ch11/moe_tokens_per_expert_init"]
     assert sum(tokens["k=2"]) == 2 * sum(tokens["k=1"]), "k choices per token"
     assert max(tokens["k=1"]) > sum(tokens["k=1"]) / len(tokens["k=1"]), "an untrained router is uneven"
@@ -40,7 +41,7 @@ def test_auxiliary_loss(c: dict) -> None:
         assert balanced["starved"][s] == 0 < free["starved"][s]
         assert balanced["loss"][s] < free["loss"][s], "dropped tokens and starved experts cost task loss"
         assert balanced["drop_vs_factor"][s][3] < free["drop_vs_factor"][s][3]  # capacity factor 1.25
-    assert max(balanced["imbalance"]) < 1.6
+    assert max(balanced["imbalance"]) < 1.75 < min(free["imbalance"])
 
 
 def test_expert_parallel_equals_one_process(c: dict) -> None:
