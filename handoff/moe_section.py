@@ -183,7 +183,8 @@ plots.save(fig, "ch11_moe_drop_rate")
 
 # %%
 fig = plots.curves({f"aux {alpha:g}": (list(range(E)), rs[0]["tokens_per_expert"]) for alpha, rs in runs.items()}
-                   | {"even share": (list(range(E)), [S["moe_tokens"] / E] * E)},
+                   | {"even share": (list(range(E)), [S["moe_tokens"] / E] * E),
+                      "capacity (factor 1.25)": (list(range(E)), [moe.expert_capacity(S["moe_tokens"], E, 1.25)] * E)},
                    f"Tokens per expert after {S['moe_steps']} steps, seed 0", "expert", "tokens")
 plots.save(fig, "ch11_moe_tokens_per_expert")
 record("ch11/moe_tokens_per_expert_trained", {f"aux {alpha:g}": rs[0]["tokens_per_expert"] for alpha, rs in runs.items()})
