@@ -213,6 +213,7 @@ def balance_run(seed: int, aux_weight: float, n_experts: int = 8, k: int = 1, d_
     with torch.no_grad():
         logits = moe.router(x)
         moe(x)
-    return {"drop_vs_factor": {f: route(logits, k, f).drop_rate() for f in factors},"imbalance": loads + [imbalance(moe.routing.tokens_per_expert())],
+    return {"imbalance": loads + [imbalance(moe.routing.tokens_per_expert())],
+            "drop_vs_factor": {f: route(logits, k, f).drop_rate() for f in factors},
             "tokens_per_expert": moe.routing.tokens_per_expert().tolist(),
             "drop_rate": moe.routing.drop_rate(), "loss": [losses[0], losses[-1]]}

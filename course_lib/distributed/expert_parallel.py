@@ -122,6 +122,8 @@ class ExpertParallelMoE(nn.Module):
         a = r.order[r.kept[r.order]]  # kept choices sorted by expert, so by destination rank
         counts = torch.bincount(chosen[a], minlength=self.n_experts)
         recv_counts = exchange_counts(counts, self.ep, self.counter, self.group)
+        # the splits are host integers: on a GPU this waits for the counts, one reason why implementations with
+        # fixed shapes pad every expert's slot to the capacity instead (dispatch_buffer_bytes)
         send_splits = counts.view(self.ep, self.per).sum(1).tolist()
         recv_splits = recv_counts.sum(1).tolist()
         arrived = self._send(tokens[a % n], recv_splits, send_splits)  # rows by source rank, then local expert

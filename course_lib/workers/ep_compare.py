@@ -85,7 +85,8 @@ def one_run(args: argparse.Namespace, ep: int, k: int, capacity_factor: float, a
     send, recv, me = layer.send_splits, layer.recv_splits, layer.shard
     off = [sum(send) - send[me], sum(recv) - recv[me]]  # rows that left this rank, rows that came from others
     return EPRun(
-        ep=ep, dp=dp, k=k, a2a=a2a, capacity_factor=capacity_factor, tokens_per_rank=args.tokens, row_bytes=8 * args.d_model,
+        ep=ep, dp=dp, k=k, a2a=a2a, capacity_factor=capacity_factor, tokens_per_rank=args.tokens,
+        row_bytes=8 * args.d_model,  # float64
         out_diff=_max(_diff(out.detach(), ref_out[mine])),
         input_grad_diff=_max(_diff(x_mine.grad, x_ref.grad[mine])),
         router_grad_diff=_max(_diff(layer.router.weight.grad, full.router.weight.grad)),
