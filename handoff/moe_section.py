@@ -211,9 +211,9 @@ record("ch11/moe_tokens_per_expert_trained", {f"aux {alpha:g}": rs[0]["tokens_pe
 # 5. **combines**: the reverse all-to-all, splits swapped, brings every output row home, where it is gated and summed
 #    per token as in one process.
 #
-# The backward of an all-to-all is the all-to-all with the splits swapped (`_AllToAll` below). Every token of the world reaches its
-# expert, so the experts' gradients come out complete; the router's are partial sums over each rank's tokens and
-# are all-reduced, as chapter 06's gradients are.
+# The backward of an all-to-all is the all-to-all with the splits swapped (`_AllToAll` below). Every token of the
+# world reaches its expert, so the experts' gradients come out complete; the router's are partial sums over each
+# rank's tokens and are all-reduced, as chapter 06's gradients are.
 
 # %%
 print(inspect.getsource(ep._AllToAll))
