@@ -136,8 +136,8 @@ class MoEMLP(nn.Module):
     """``E`` expert MLPs behind a top-``k`` router with a capacity; ``forward`` keeps ``routing`` and ``aux_loss``.
 
     Chapter 11 builds it by hand: each expert runs on a gathered batch of its
-    own tokens (``x[token]``), and ``index_add_`` scatters the gated outputs
-    back. Dropped choices add nothing.
+    own tokens (``x[token]``), and ``index_add`` scatters the gated outputs
+    back (out of place, so autograd can differentiate it). Dropped choices add nothing.
     """
 
     def __init__(self, d_model: int, d_hidden: int, n_experts: int, k: int = 1, capacity_factor: float = 1.25):
@@ -158,7 +158,7 @@ class MoEMLP(nn.Module):
         return combine(tokens, r, list(self.experts), range(self.n_experts)).reshape(x.shape)
 
 
-def combine(tokens: torch.Tensor, r: Routing, experts: list[nn.Module], ids) -> torch.Tensor:
+def combine(tokens: torch.Tensor, r: Routing, experts: Sequence[nn.Module], ids: Sequence[int]) -> torch.Tensor:
     """Run experts ``ids`` (modules ``experts``) on their kept tokens; sum the gated outputs per token."""
     n = r.n_tokens
     out = torch.zeros_like(tokens)

@@ -94,6 +94,8 @@ class ExpertParallelMoE(nn.Module):
     def __init__(self, moe: MoEMLP, group: dist.ProcessGroup | None = None, counter: ByteCounter | None = None,
                  a2a: str = "by_hand"):
         super().__init__()
+        if a2a not in ("by_hand", "torch"):
+            raise ValueError(f"a2a must be 'by_hand' (counted) or 'torch' (torch.distributed.nn), got {a2a!r}")
         self.group, self.counter, self.a2a = group, counter, a2a
         self.ep, self.shard = dist.get_world_size(group), dist.get_rank(group)
         self.per = experts_per_rank(moe.n_experts, self.ep)
