@@ -11,7 +11,8 @@ outputs, input gradients and parameter gradients against the one-process layer
 on all the world's tokens (each rank computes it: it is small). Also: the bytes
 each rank's all-to-alls sent, the dispatch buffers' rows, the parameters held;
 ``--drop-factor`` adds a run at a capacity that drops (rows and drop rate);
-``--api`` one run through torch's differentiable all-to-all.
+``--api`` one run through torch's differentiable all-to-all (both on the
+layouts with EP over the whole world, ``world x 1``).
 """
 
 from __future__ import annotations
