@@ -1,0 +1,169 @@
+"""Expert parallelism: the experts of a mixture-of-experts layer spread over ranks (chapter 11).
+
+``e`` ranks form an expert-parallel (EP) group; each holds ``E/e`` of the
+``E`` experts and a copy of everything else (the router here; attention and
+norms in a model). Each rank routes its own tokens (``moe.route``), then:
+
+1. **counts**: an all-to-all of the per-expert counts, so that every rank knows
+   how many rows it will receive from each other rank (the splits are uneven:
+   the router decides them);
+2. **dispatch**: an all-to-all of the token rows, sorted by expert, so by
+   destination rank (rank ``q`` holds experts ``q E/e .. (q+1) E/e - 1``);
+3. the local experts run on what arrived;
+4. **combine**: the reverse all-to-all brings every output row home, where it is
+   gated and summed per token as in one process.
+
+The backward of an all-to-all is the all-to-all with the splits swapped (the
+rows go back where they came from). Expert gradients arrive complete (every
+token of the group reached its expert); the replicated router's are partial
+sums over each rank's tokens and are all-reduced like data parallelism's. With
+EP x DP (``world = e * d``), ranks holding the same experts form a DP group:
+expert gradients are all-reduced over it only, the router's over the world.
+
+Bytes a rank sends per layer and all-to-all: the rows bound for other ranks;
+with even routing ``(e-1)/e * k T_r * d_model * b`` for ``T_r`` tokens per
+rank, and four all-to-alls per layer (dispatch, combine, their backwards).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from course_lib.distributed.comm import ByteCounter, nbytes
+from course_lib.moe import MoEMLP, Routing, route
+
+
+def experts_per_rank(n_experts: int, ep: int) -> int:
+    """``E / e``; an error unless the EP group size divides the experts."""
+    if ep < 1 or n_experts % ep:
+        raise ValueError(f"an expert-parallel group of {ep} ranks cannot share {n_experts} experts evenly; "
+                         f"use a group size that divides {n_experts}")
+    return n_experts // ep
+
+
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+               counter: ByteCounter | None = None, group: dist.ProcessGroup | None = None,
+               op: str = "all_to_all") -> None:
+    """``dist.all_to_all_single`` with uneven row splits; ``counter`` adds (as ``op``) the bytes sent to *other*
+    ranks (the rows a rank keeps for itself never leave it)."""
+    if counter is not None:
+        row = nbytes(inp[0]) if inp.shape[0] else 0
+        counter.add(op, row * (sum(in_splits) - in_splits[dist.get_rank(group)]))
+    dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows out by ``in_splits``, in by ``out_splits``; the backward sends the gradients back (splits swapped)."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group, counter):
+        ctx.splits, ctx.group, ctx.counter = (out_splits, in_splits), group, counter
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        all_to_all(out, x.contiguous(), out_splits, in_splits, counter, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        all_to_all(back, grad.contiguous(), in_splits, out_splits, ctx.counter, ctx.group)
+        return back, None, None, None, None
+
+
+def exchange_counts(counts: torch.Tensor, ep: int, counter: ByteCounter | None = None,
+                    group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Send each rank the counts of its experts; return ``(ep, E/e)``: row ``r`` = what rank ``r`` will send me."""
+    per = experts_per_rank(counts.numel(), ep)
+    received = torch.empty_like(counts)
+    all_to_all(received, counts, [per] * ep, [per] * ep, counter, group, op="counts")
+    return received.view(ep, per)
+
+
+class ExpertParallelMoE(nn.Module):
+    """This rank's part of a ``MoEMLP`` on an EP group: the router copied, experts ``shard*E/e .. (shard+1)*E/e``.
+
+    ``forward`` keeps ``routing``, ``send_splits``/``recv_splits`` (rows of the
+    dispatch buffers, per peer) and ``recv_counts``. ``a2a`` swaps the hand-written
+    all-to-all for torch's differentiable one (``torch.distributed.nn``).
+    """
+
+    def __init__(self, moe: MoEMLP, group: dist.ProcessGroup | None = None, counter: ByteCounter | None = None,
+                 a2a: str = "by_hand"):
+        super().__init__()
+        if a2a not in ("by_hand", "torch"):
+            raise ValueError(f"a2a must be 'by_hand' (counted) or 'torch' (torch.distributed.nn), got {a2a!r}")
+        self.group, self.counter, self.a2a = group, counter, a2a
+        self.ep, self.shard = dist.get_world_size(group), dist.get_rank(group)
+        self.per = experts_per_rank(moe.n_experts, self.ep)
+        self.n_experts, self.k, self.capacity_factor = moe.n_experts, moe.k, moe.capacity_factor
+        self.router = copy.deepcopy(moe.router)
+        first = self.shard * self.per
+        self.experts = nn.ModuleList(copy.deepcopy(moe.experts[i]) for i in range(first, first + self.per))
+        self.routing: Routing | None = None
+        self.send_splits: list[int] = []
+        self.recv_splits: list[int] = []
+        self.recv_counts: torch.Tensor | None = None
+
+    def _send(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+        if self.a2a == "torch":  # the real API: autograd built in, no byte counting
+            from torch.distributed.nn.functional import all_to_all_single
+            return all_to_all_single(x.new_empty((sum(out_splits), *x.shape[1:])), x.contiguous(),
+                                     out_splits, in_splits, group=self.group)
+        return _AllToAll.apply(x, out_splits, in_splits, self.group, self.counter)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        n = tokens.shape[0]
+        r = route(self.router(tokens), self.k, self.capacity_factor)
+        self.routing = r
+        chosen, gate = r.expert.t().reshape(-1), r.gate.t().reshape(-1)
+        a = r.order[r.kept[r.order]]  # kept choices sorted by expert, so by destination rank
+        counts = torch.bincount(chosen[a], minlength=self.n_experts)
+        recv_counts = exchange_counts(counts, self.ep, self.counter, self.group)
+        # the splits are host integers: on a GPU this waits for the counts, one reason why implementations with
+        # fixed shapes pad every expert's slot to the capacity instead (dispatch_buffer_bytes)
+        send_splits = counts.view(self.ep, self.per).sum(1).tolist()
+        recv_splits = recv_counts.sum(1).tolist()
+        arrived = self._send(tokens[a % n], recv_splits, send_splits)  # rows by source rank, then local expert
+        # regroup by local expert: a stable sort keeps each expert's rows in source-rank order
+        local = torch.arange(self.per).repeat(self.ep).repeat_interleave(recv_counts.reshape(-1))
+        perm = torch.argsort(local, stable=True)
+        per_expert = recv_counts.sum(0).tolist()
+        outs = [m(rows) for m, rows in zip(self.experts, arrived[perm].split(per_expert))]
+        done = torch.cat(outs)
+        home = self._send(done[torch.argsort(perm)], send_splits, recv_splits)  # rows back in send order
+        self.send_splits, self.recv_splits, self.recv_counts = send_splits, recv_splits, recv_counts
+        out = torch.zeros_like(tokens).index_add(0, a % n, home * gate[a, None])
+        return out.reshape(x.shape)
+
+
+def params_per_rank(d_model: int, d_hidden: int, n_experts: int, ep: int) -> dict[str, int]:
+    """Parameters one rank holds: the router whole, ``E/e`` experts of ``2 d h + h + d`` each."""
+    expert = 2 * d_model * d_hidden + d_hidden + d_model
+    return {"router": d_model * n_experts, "experts": experts_per_rank(n_experts, ep) * expert}
+
+
+def bytes_per_layer(tokens: int, d_model: int, k: int, ep: int, elem_bytes: int = 4) -> float:
+    """Bytes one rank sends per MoE layer (forward + backward) under even routing: ``4 (e-1)/e k T_r d b``."""
+    return 4 * (ep - 1) / ep * k * tokens * d_model * elem_bytes
+
+
+def dispatch_buffer_bytes(tokens: int, d_model: int, k: int, capacity_factor: float | None = None,
+                          elem_bytes: int = 4) -> float:
+    """Bytes of one dispatch buffer on a rank: ``k T_r d b`` rows of even routing, or with fixed shapes
+    padded to the capacity, ``E C d b ~ capacity_factor k T_r d b``."""
+    rows = k * tokens if capacity_factor is None else capacity_factor * k * tokens
+    return rows * d_model * elem_bytes
+
+
+def expert_dp_groups(world: int, ep: int) -> tuple[list[list[int]], list[list[int]]]:
+    """EP x DP on ``world`` ranks: EP groups of consecutive ranks, DP groups of the ranks holding the same experts."""
+    if ep < 1 or world % ep:
+        raise ValueError(f"world size {world} is not a multiple of the expert-parallel size {ep}")
+    ep_groups = [list(range(s, s + ep)) for s in range(0, world, ep)]
+    dp_groups = [list(range(s, world, ep)) for s in range(ep)]
+    return ep_groups, dp_groups

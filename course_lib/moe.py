@@ -1,0 +1,219 @@
+"""A mixture-of-experts MLP in one process, by hand (chapter 11).
+
+A router (one linear layer, ``d_model -> E``) scores every token against ``E``
+expert MLPs; each token goes to its ``k`` best experts and their outputs are
+summed, weighted by the router's softmax ("gates"). Only ``k`` of the ``E``
+MLPs run per token, so the parameters grow ``E``-fold and the compute per token
+does not (Shazeer et al. 2017; GShard, Lepikhin et al. 2020; Switch
+Transformer, Fedus et al. 2021).
+
+Each expert takes at most ``capacity = ceil(capacity_factor * k * T / E)``
+tokens of a batch of ``T`` (Switch, section 2.2): a fixed size, so that the
+buffers that carry tokens to the experts have known shapes (chapter 11's expert
+parallelism sends them to other ranks). The tokens past an expert's capacity
+are *dropped*: the layer returns zero for that choice and the residual
+connection carries the token on. Choices are queued slot-major, every token's
+first choice before any token's second (GShard), so an overflow drops second
+choices first.
+
+The router alone would favour a few experts (they train faster, so they score
+higher); the auxiliary load-balancing loss ``E * sum_i f_i P_i`` (Switch eq. 4,
+GShard's ``l_aux``) pushes back, where ``f_i`` is the fraction of tokens whose
+first choice is expert ``i`` and ``P_i`` the mean router probability of ``i``.
+It equals 1 when both are uniform.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def check_capacity_factor(capacity_factor: float) -> None:
+    if not capacity_factor > 0:
+        raise ValueError(f"capacity_factor must be > 0 (1.0: room for an even share of the tokens; larger "
+                         f"drops fewer), got {capacity_factor!r}")
+
+
+def expert_capacity(n_tokens: int, n_experts: int, capacity_factor: float, k: int = 1) -> int:
+    """Tokens one expert accepts from a batch of ``n_tokens``: ``ceil(capacity_factor * k * n_tokens / n_experts)``."""
+    check_capacity_factor(capacity_factor)
+    if n_experts > n_tokens:
+        raise ValueError(f"{n_experts} experts for {n_tokens} tokens: some expert could never get one; "
+                         "use more tokens per batch (or fewer experts)")
+    return math.ceil(capacity_factor * k * n_tokens / n_experts)
+
+
+def no_drop_factor(n_experts: int, k: int) -> float:
+    """The capacity factor at which one expert could take every token's choice: nothing is ever dropped."""
+    return n_experts / k
+
+
+def dispatch_indices(expert: torch.Tensor, n_experts: int,
+                     capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queue the choices ``expert`` (``(T, k)`` expert ids) at their experts: ``(order, position, kept)``.
+
+    Choice ``a = slot * T + token`` (slot-major: all first choices before any
+    second). ``order``: the choices sorted by expert, in queue order (a stable
+    sort keeps first choices, and earlier tokens, ahead); ``position[a]``: the
+    place of choice ``a`` in its expert's queue (0, 1, ...); ``kept[a]``:
+    ``position[a] < capacity``.
+    """
+    flat = expert.t().reshape(-1)
+    if flat.numel() and not (0 <= int(flat.min()) and int(flat.max()) < n_experts):
+        raise ValueError(f"expert ids must lie in [0, {n_experts}), got {flat.min().item()}..{flat.max().item()}")
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=n_experts)
+    starts = torch.cumsum(counts, 0) - counts  # where each expert's queue begins in ``order``
+    position = torch.empty_like(flat)
+    position[order] = torch.arange(flat.numel()) - starts[flat[order]]
+    return order, position, position < capacity
+
+
+def load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor) -> torch.Tensor:
+    """Switch eq. 4 without its weight alpha: ``E * sum_i f_i * P_i`` (1 when tokens and probabilities are even)."""
+    n_experts = probs.shape[-1]
+    f = torch.bincount(first_choice, minlength=n_experts).to(probs.dtype) / first_choice.numel()  # no gradient
+    p = probs.mean(0)  # the gradient flows through P_i only
+    return n_experts * (f * p).sum()
+
+
+@dataclass
+class Routing:
+    """One batch's routing: choices, gates, queues and what was dropped (``T`` tokens, ``k`` choices each)."""
+
+    probs: torch.Tensor     # (T, E) router softmax
+    expert: torch.Tensor    # (T, k) expert ids, best first
+    gate: torch.Tensor      # (T, k) weights of the choices
+    order: torch.Tensor     # (T k,) choices sorted by expert (see dispatch_indices)
+    position: torch.Tensor  # (T k,) place in the expert's queue
+    kept: torch.Tensor      # (T k,) position < capacity
+    capacity: int
+
+    @property
+    def n_tokens(self) -> int:
+        return self.expert.shape[0]
+
+    def tokens_per_expert(self) -> torch.Tensor:
+        """Choices each expert received, before the capacity cut."""
+        return torch.bincount(self.expert.t().reshape(-1), minlength=self.probs.shape[1])
+
+    def drop_rate(self) -> float:
+        """Fraction of the choices dropped at the capacity."""
+        return 1.0 - self.kept.float().mean().item()
+
+
+def route(logits: torch.Tensor, k: int, capacity_factor: float) -> Routing:
+    """Top-``k`` routing of ``T`` tokens from the router's ``(T, E)`` logits.
+
+    Gates: the chosen softmax probabilities, renormalised to sum to 1 when
+    ``k > 1`` (GShard's top-2); with ``k = 1`` the probability itself (Switch),
+    so that the router gets a gradient from the loss.
+    """
+    n_tokens, n_experts = logits.shape
+    if not 1 <= k <= n_experts:
+        raise ValueError(f"k must be between 1 and the number of experts {n_experts}, got {k}")
+    capacity = expert_capacity(n_tokens, n_experts, capacity_factor, k)
+    probs = logits.softmax(-1)
+    gate, expert = probs.topk(k, dim=-1)
+    if k > 1:
+        gate = gate / gate.sum(-1, keepdim=True)
+    order, position, kept = dispatch_indices(expert, n_experts, capacity)
+    return Routing(probs, expert, gate, order, position, kept, capacity)
+
+
+def expert_mlp(d_model: int, d_hidden: int) -> nn.Sequential:
+    """One expert: the transformer's MLP (chapter 09's ``mlp``)."""
+    return nn.Sequential(nn.Linear(d_model, d_hidden), nn.GELU(), nn.Linear(d_hidden, d_model))
+
+
+class MoEMLP(nn.Module):
+    """``E`` expert MLPs behind a top-``k`` router with a capacity; ``forward`` keeps ``routing`` and ``aux_loss``.
+
+    Chapter 11 builds it by hand: each expert runs on a gathered batch of its
+    own tokens (``x[token]``), and ``index_add`` scatters the gated outputs
+    back (out of place, so autograd can differentiate it). Dropped choices add nothing.
+    """
+
+    def __init__(self, d_model: int, d_hidden: int, n_experts: int, k: int = 1, capacity_factor: float = 1.25):
+        super().__init__()
+        check_capacity_factor(capacity_factor)
+        if not 1 <= k <= n_experts:
+            raise ValueError(f"k must be between 1 and n_experts = {n_experts}, got {k}")
+        self.k, self.capacity_factor, self.n_experts = k, capacity_factor, n_experts
+        self.router = nn.Linear(d_model, n_experts, bias=False)
+        self.experts = nn.ModuleList(expert_mlp(d_model, d_hidden) for _ in range(n_experts))
+        self.routing: Routing | None = None
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        r = route(self.router(tokens), self.k, self.capacity_factor)
+        self.routing, self.aux_loss = r, load_balancing_loss(r.probs, r.expert[:, 0])
+        return combine(tokens, r, list(self.experts), range(self.n_experts)).reshape(x.shape)
+
+
+def combine(tokens: torch.Tensor, r: Routing, experts: Sequence[nn.Module], ids: Sequence[int]) -> torch.Tensor:
+    """Run experts ``ids`` (modules ``experts``) on their kept tokens; sum the gated outputs per token."""
+    n = r.n_tokens
+    out = torch.zeros_like(tokens)
+    gate = r.gate.t().reshape(-1)  # slot-major, like the choices
+    chosen = r.expert.t().reshape(-1)
+    for module, e in zip(experts, ids):
+        a = r.order[(chosen[r.order] == e) & r.kept[r.order]]  # expert e's kept choices, in queue order
+        if a.numel():
+            out = out.index_add(0, a % n, module(tokens[a % n]) * gate[a, None])
+    return out
+
+
+# --------------------------------------------------------------------------- the chapter's training run
+
+def teacher_task(seed: int, n_tokens: int, d_model: int, n_clusters: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens from ``n_clusters`` Gaussian clusters and the targets of a random teacher MLP (same seed, same data)."""
+    g = torch.Generator().manual_seed(seed)
+    centres = 2.0 * torch.randn(n_clusters, d_model, generator=g)
+    x = centres[torch.randint(n_clusters, (n_tokens,), generator=g)] + torch.randn(n_tokens, d_model, generator=g)
+    w1, w2 = torch.randn(d_model, 4 * d_model, generator=g), torch.randn(4 * d_model, d_model, generator=g)
+    y = torch.tanh(x @ w1 / math.sqrt(d_model)) @ w2 / math.sqrt(4 * d_model)
+    return x, y
+
+
+def imbalance(tokens_per_expert: torch.Tensor) -> float:
+    """Most-loaded expert's choices over the mean: 1 is even, ``E`` is every choice at one expert."""
+    t = tokens_per_expert.float()
+    return (t.max() / t.mean()).item()
+
+
+def balance_run(seed: int, aux_weight: float, n_experts: int = 8, k: int = 1, d_model: int = 16,
+                n_tokens: int = 512, steps: int = 60, lr: float = 1e-2, capacity_factor: float = 1.25,
+                factors: Sequence[float] = ()) -> dict:
+    """Train a ``MoEMLP`` on ``teacher_task`` with Adam; the load before and after (chapter 11).
+
+    Returns the imbalance (max / mean choices per expert) per step, the tokens
+    per expert after training, the drop rate at ``capacity_factor`` (and, after
+    training, at each of ``factors``) and the task loss, first and last.
+    """
+    torch.manual_seed(seed)
+    x, y = teacher_task(seed, n_tokens, d_model)
+    moe = MoEMLP(d_model, 2 * d_model, n_experts, k, capacity_factor)
+    opt = torch.optim.Adam(moe.parameters(), lr=lr)
+    loads, losses = [], []
+    for _ in range(steps):
+        task = F.mse_loss(moe(x), y)
+        loads.append(imbalance(moe.routing.tokens_per_expert()))
+        losses.append(task.item())
+        opt.zero_grad()
+        (task + aux_weight * moe.aux_loss).backward()
+        opt.step()
+    with torch.no_grad():
+        logits = moe.router(x)
+        moe(x)
+    return {"imbalance": loads + [imbalance(moe.routing.tokens_per_expert())],
+            "drop_vs_factor": {f: route(logits, k, f).drop_rate() for f in factors},
+            "tokens_per_expert": moe.routing.tokens_per_expert().tolist(),
+            "drop_rate": moe.routing.drop_rate(), "loss": [losses[0], losses[-1]]}

@@ -1,0 +1,139 @@
+"""Chapter 11's experiment: a mixture-of-experts layer with its experts over ranks, against one process.
+
+    torchrun --nproc-per-node 4 -m course_lib.workers.ep_compare --layouts 4x1,2x2 --ks 1,2
+
+For each layout ``e x d`` (expert-parallel groups of ``e`` consecutive ranks,
+``d`` of them, e * d = world) and each ``k``: the same ``MoEMLP`` (same seed)
+in float64, every rank routing its own ``--tokens`` tokens, at a capacity
+that drops nothing; the loss ``sum(out * w)`` backpropagated; the router's
+gradients all-reduced over the world, the experts' over their DP group; then
+outputs, input gradients and parameter gradients against the one-process layer
+on all the world's tokens (each rank computes it: it is small). Also: the bytes
+each rank's all-to-alls sent, the dispatch buffers' rows, the parameters held;
+``--drop-factor`` adds a run at a capacity that drops (rows and drop rate);
+``--api`` one run through torch's differentiable all-to-all (both on the
+layouts with EP over the whole world, ``world x 1``).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+
+from course_lib.distributed import comm, launch
+from course_lib.distributed.comm import ByteCounter
+from course_lib.distributed.expert_parallel import ExpertParallelMoE, expert_dp_groups
+from course_lib.moe import MoEMLP, no_drop_factor
+from course_lib.workers.ep_results import EPReport, EPRun
+
+
+def _diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
+    """Largest difference; a missing gradient (an expert no token reached) counts as zeros."""
+    if a is None and b is None:
+        return 0.0
+    a, b = (torch.zeros_like(b) if a is None else a), (torch.zeros_like(a) if b is None else b)
+    return (a - b).abs().max().item() if a.numel() else 0.0
+
+
+def _max(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _gather(value):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def one_run(args: argparse.Namespace, ep: int, k: int, capacity_factor: float, a2a: str,
+            groups: dict) -> EPRun:
+    """One layout, one k: the EP layer on this rank's tokens against the one-process layer on all of them."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dp = world // ep
+    torch.manual_seed(args.seed)
+    full = MoEMLP(args.d_model, args.hidden, args.experts, k, capacity_factor).double()
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    x = torch.randn(world * args.tokens, args.d_model, generator=gen, dtype=torch.float64)
+    w = torch.randn(world * args.tokens, args.d_model, generator=gen, dtype=torch.float64)
+    mine = slice(rank * args.tokens, (rank + 1) * args.tokens)
+
+    counter = ByteCounter()
+    layer = ExpertParallelMoE(full, groups["ep"], counter if a2a == "by_hand" else None, a2a)
+    x_ref = x.clone().requires_grad_()
+    (full(x_ref) * w).sum().backward()
+    x_mine = x[mine].clone().requires_grad_()
+    out = layer(x_mine)
+    (out * w[mine]).sum().backward()
+    # gradient synchronisation: replicated router over the world, each expert over the ranks that hold it
+    sync = ByteCounter()
+    for p in layer.router.parameters():
+        comm.all_reduce(p.grad, counter=sync)
+    if dp > 1:
+        for p in layer.experts.parameters():
+            comm.all_reduce(p.grad, counter=sync, group=groups["dp"])
+    sync_bytes = dict(sync.by_op)
+
+    first = layer.shard * layer.per
+    expert_diff = max(_diff(p.grad, q.grad) for i, m in enumerate(layer.experts)
+                      for p, q in zip(m.parameters(), full.experts[first + i].parameters()))
+    with torch.no_grad():
+        ref_out = full(x)
+    r = layer.routing
+    send, recv, me = layer.send_splits, layer.recv_splits, layer.shard
+    off = [sum(send) - send[me], sum(recv) - recv[me]]  # rows that left this rank, rows that came from others
+    return EPRun(
+        ep=ep, dp=dp, k=k, a2a=a2a, capacity_factor=capacity_factor, tokens_per_rank=args.tokens,
+        row_bytes=8 * args.d_model,  # float64
+        out_diff=_max(_diff(out.detach(), ref_out[mine])),
+        input_grad_diff=_max(_diff(x_mine.grad, x_ref.grad[mine])),
+        router_grad_diff=_max(_diff(layer.router.weight.grad, full.router.weight.grad)),
+        expert_grad_diff=_max(expert_diff),
+        drop_rate=_gather(r.drop_rate()),
+        sent=_gather(counter.by_op.get("all_to_all", 0.0)), sent_counts=_gather(counter.by_op.get("counts", 0.0)),
+        off_rank_rows=_gather(off), send_rows=_gather(sum(send)), recv_rows=_gather(sum(recv)),
+        capacity=_gather(r.capacity),
+        params=_gather({"router": sum(p.numel() for p in layer.router.parameters()),
+                        "experts": sum(p.numel() for p in layer.experts.parameters())}),
+        grad_sync=_gather(sync_bytes))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--layouts", default="", help="comma-separated e x d, e.g. 4x1,2x2 (default: world x 1)")
+    parser.add_argument("--ks", default="1,2")
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--d-model", type=int, default=16)
+    parser.add_argument("--hidden", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=32, help="tokens per rank")
+    parser.add_argument("--drop-factor", type=float, default=0.0, help="also a run at this capacity factor")
+    parser.add_argument("--api", action="store_true", help="also one run through torch's all_to_all_single")
+    parser.add_argument("--seed", type=int, default=0)
+    launch.add_timeout_arg(parser)
+    args = parser.parse_args()
+    rank, world, _ = launch.init_distributed(args.pg_timeout)
+    torch.set_num_threads(1)
+    layouts = [tuple(int(v) for v in s.split("x")) for s in args.layouts.split(",") if s] or [(world, 1)]
+    report = EPReport(world=world, n_experts=args.experts, d_model=args.d_model, d_hidden=args.hidden)
+    for ep, dp in layouts:
+        if ep * dp != world:
+            raise ValueError(f"layout {ep}x{dp} needs {ep * dp} ranks, the launch has {world}")
+        ep_groups, dp_groups = expert_dp_groups(world, ep)
+        # every rank creates every group, in the same order (new_group is collective)
+        made = {"ep": [dist.new_group(g) for g in ep_groups], "dp": [dist.new_group(g) for g in dp_groups]}
+        groups = {"ep": made["ep"][rank // ep], "dp": made["dp"][rank % ep]}
+        for k in (int(v) for v in args.ks.split(",")):
+            report.runs.append(one_run(args, ep, k, no_drop_factor(args.experts, k), "by_hand", groups))
+            if args.drop_factor > 0 and dp == 1:
+                report.runs.append(one_run(args, ep, k, args.drop_factor, "by_hand", groups))
+        if args.api and dp == 1:
+            report.runs.append(one_run(args, ep, 2, no_drop_factor(args.experts, 2), "torch", groups))
+    launch.report(report)
+    launch.shutdown()
+
+
+if __name__ == "__main__":
+    main()
