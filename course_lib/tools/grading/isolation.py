@@ -50,6 +50,7 @@ import psutil
 
 from course_lib.tools.grading import wire
 from course_lib.tools.grading.exercise import ROOT, GradingError
+from course_lib.tools.grading.limits import Limits, limit_reason  # noqa: F401 (part of this module's API)
 
 MODES = ("namespaces+uid", "uid", "namespaces", "none")
 NAMESPACED = ("namespaces+uid", "namespaces")
@@ -59,31 +60,6 @@ NS_FLAGS = ["--pid", "--fork", "--kill-child", "--mount", "--mount-proc", "--pro
 LEARNER_COPY = ("course_lib", "data", "exercises")  # what of the course a kernel sees: a learner's copy holds them
 _PROBE = ("import ctypes; libc = ctypes.CDLL(None, use_errno=True); "
           "raise SystemExit(libc.mount(b'none', b'/tmp', b'tmpfs', 0, None))")
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one kernel may use, in every mode (``COURSE_GRADER_PROCESSES``, ``_MEMORY_MB``, ``_FILE_MB`` and
-    ``_DISK_MB`` change the defaults)."""
-
-    processes: int = 128          # RLIMIT_NPROC: processes and threads of the kernel's user id
-    memory: int = 4 * 2**30       # RLIMIT_DATA: bytes of heap and private maps, per process
-    file: int = 256 * 2**20       # RLIMIT_FSIZE: bytes in one file it writes
-    disk: int = 512 * 2**20       # its work folder and temporary folders together
-
-    @classmethod
-    def from_env(cls) -> "Limits":
-        def number(name: str, default: int, unit: int = 1) -> int:
-            text = os.environ.get(name)
-            if text is None:
-                return default
-            if not text.isdigit() or int(text) < 1:
-                raise GradingError(f"{name}={text!r}: give a whole number above zero")
-            return int(text) * unit
-
-        return cls(number("COURSE_GRADER_PROCESSES", cls.processes),
-                   number("COURSE_GRADER_MEMORY_MB", cls.memory, 2**20),
-                   number("COURSE_GRADER_FILE_MB", cls.file, 2**20), number("COURSE_GRADER_DISK_MB", cls.disk, 2**20))
 
 
 def _works(cmd: list[str]) -> bool:
@@ -366,7 +342,8 @@ class Sandbox:
             except OSError:
                 continue
         if used > self.limits.disk:
-            return f"its work folder grew past the sandbox's {self.limits.disk / 2**20:.0f} MiB"
+            return (f"filled the sandbox's {self.limits.disk / 2**20:.0f} MiB work folder (found after the cell; "
+                    "without a namespace the folder is measured, not capped)")
         return ""
 
     def startup_log(self, limit: int = 2000) -> str:
@@ -404,20 +381,3 @@ class Sandbox:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def limit_reason(ename: str, evalue: str, limits: Limits) -> str:
-    """What an error means when a sandbox's limit caused it (or ``""``): said plainly for the grade report."""
-    text = f"{ename}: {evalue}"
-    mib = lambda n: f"{n / 2**20:.0f} MiB"  # noqa: E731
-    if ename == "SandboxLimit":
-        return f"stopped: {evalue}"
-    if "MemoryError" in ename or "can't allocate memory" in text or "Cannot allocate memory" in text:
-        return f"ran out of memory: the sandbox gives each process {mib(limits.memory)} ({text})"
-    if "Resource temporarily unavailable" in text or "can't start new thread" in text:
-        return f"hit the sandbox's limit of {limits.processes} processes and threads ({text})"
-    if "No space left on device" in text or "Disk quota exceeded" in text:
-        return f"filled the sandbox's {mib(limits.disk)} work folder ({text})"
-    if "File too large" in text:
-        return f"wrote a file past the sandbox's {mib(limits.file)} per file ({text})"
-    return ""
