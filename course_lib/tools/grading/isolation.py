@@ -311,13 +311,14 @@ class Sandbox:
             deadline = time.monotonic() + 30
             while True:
                 try:
-                    children = psutil.Process(pid).children()
+                    proc = psutil.Process(pid)
+                    children, ended = proc.children(), proc.status() == psutil.STATUS_ZOMBIE
                 except psutil.Error:
-                    children = []
+                    children, ended = [], True
                 if children:
                     self.live = Path(f"/proc/{children[0].pid}/cwd")
                     break
-                if time.monotonic() > deadline:
+                if ended or time.monotonic() > deadline:
                     raise GradingError("the sandbox's launcher did not start: " + self.startup_log())
                 time.sleep(0.005)
         return str(self.live / ".kernel")
