@@ -427,9 +427,9 @@ for _ in range(400):
         time.sleep(60)
         os._exit(0)''')
 
-MEMORY_HOG = _first_question("memory_hog", "reserves 12 GiB (256 MiB at a time, never touched) before answering q1",
-                             '''
-_hog = [bytearray(256 * 2**20) for _ in range(48)]''')
+MEMORY_HOG = _first_question("memory_hog", "allocates 12 GiB (256 MiB at a time) before answering q1", '''
+import torch
+_hog = [torch.empty(256 * 2**20, dtype=torch.uint8) for _ in range(48)]  # never written: costs no real memory''')
 
 DISK_FILLER = _first_question("disk_filler", "writes 1 GiB in its folder (16 MiB files) before answering q1", '''
 import os
