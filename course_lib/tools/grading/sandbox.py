@@ -198,10 +198,13 @@ def main(config_path: str, kernel_args: list[str]) -> None:
     argv = [cfg["python"], "-I", "-B", "-c", BOOT, "\0".join(cfg["sys_path"]), conn, *kernel_args]
 
     def become_kernel() -> None:
-        for name, value in cfg.get("rlimits", {}).items():
-            import resource  # POSIX only, like the limits themselves
+        import resource  # POSIX only, like the limits themselves
 
-            resource.setrlimit(getattr(resource, f"RLIMIT_{name}"), (value, value))
+        for name, value in cfg.get("rlimits", {}).items():
+            which = getattr(resource, f"RLIMIT_{name}")
+            hard = resource.getrlimit(which)[1]  # never above the hard limit set before us: that would fail
+            value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+            resource.setrlimit(which, (value, value))
         os.chdir(workdir)
         os.umask(0o077)
         if uid is not None or cfg["namespaces"]:  # without either, it runs as the instructor: nothing to drop
