@@ -54,6 +54,7 @@ class CellRun:
     traceback: str = ""
     seconds: float = 0.0
     cause: int | None = None  # for not_run: the cell whose crash or hang stopped the run
+    limit: str = ""           # the sandbox's limit this cell passed, in the grader's words (the kernel was stopped)
 
 
 class _SandboxSpecs(KernelSpecManager):
@@ -205,7 +206,7 @@ async def _run_cells(nb: NotebookNode, sandbox: Sandbox, timeout: int, total_tim
                 after_cell(i, run)  # while the kernel lives: its folder goes with it
             over = sandbox.over_limit()
             if over and not stopped:
-                run.status, run.ename, run.evalue = "error", "SandboxLimit", over
+                run.status, run.ename, run.evalue, run.limit = "error", "", over, over
                 stopped, cause = f"the kernel was stopped: {over}", i
                 try:
                     await asyncio.wait_for(ensure_async(client.km.shutdown_kernel(now=True)), GRACE)

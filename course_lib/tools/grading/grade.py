@@ -192,7 +192,7 @@ def _judge_cells(q: Question, cells: list[int], test: int, labels: list[str], ru
     """The first thing that went wrong in a question's cells in the kernel, if anything did."""
     for i in cells:
         run, label = runs[i], labels[i]
-        limit = limit_reason(run.ename, run.evalue, limits) if run.status == "error" else ""
+        limit = run.limit or (limit_reason(run.ename, run.evalue, limits) if run.status == "error" else "")
         if limit:
             return _result(q, "error", f"{'the test' if i == test else label} {limit}")
         if run.status == "not_run":
