@@ -198,9 +198,11 @@ def main(config_path: str, kernel_args: list[str]) -> None:
     argv = [cfg["python"], "-I", "-B", "-c", BOOT, "\0".join(cfg["sys_path"]), conn, *kernel_args]
 
     def become_kernel() -> None:
-        import resource  # POSIX only, like the limits themselves
-
-        for name, value in cfg.get("rlimits", {}).items():
+        try:
+            import resource
+        except ImportError:  # not POSIX (Windows): no rlimits there; only `course check` runs on such a machine
+            resource = None
+        for name, value in (cfg.get("rlimits", {}) if resource else {}).items():
             which = getattr(resource, f"RLIMIT_{name}")
             hard = resource.getrlimit(which)[1]  # never above the hard limit set before us: that would fail
             value = value if hard == resource.RLIM_INFINITY else min(value, hard)
