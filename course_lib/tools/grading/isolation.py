@@ -257,6 +257,11 @@ class Sandbox:
         self.limits = self.limits or Limits.from_env()
         self.namespaces = self.mode in NAMESPACED
         self.uid = UID_BASE + secrets.randbelow(2**24) if self.mode in ("namespaces+uid", "uid") else None
+        blocked = unreachable(self.uid, self.uid) if self.uid is not None else {}
+        if blocked and self.mode == "uid":
+            raise GradingError(
+                f"a kernel running as another user cannot reach {', '.join(blocked)}, where this Python or the "
+                "course lives; install them where other users can read them, or set COURSE_GRADER_ISOLATION=none")
         # base (0711: others may pass through, not list) / ctl (0700: the grader's) and work (the kernel's)
         self.base = Path(tempfile.mkdtemp(prefix="course-grading-"))
         self.base.chmod(0o711)
@@ -278,11 +283,6 @@ class Sandbox:
         self.log = self.ctl / "launcher.log"
         gits, _ = git_folders()
         self.hidden, self.visible_anyway = hideable(self.hide + [ROOT / "solutions", *gits])
-        blocked = unreachable(self.uid, self.uid) if self.uid is not None else {}
-        if blocked and self.mode == "uid":
-            raise GradingError(
-                f"a kernel running as another user cannot reach {', '.join(blocked)}, where this Python or the "
-                "course lives; install them where other users can read them, or set COURSE_GRADER_ISOLATION=none")
         lim = self.limits
         nproc = lim.processes if self.uid is not None or os.geteuid() == 0 else lim.processes + _tasks_of(os.getuid())
         self.rlimits = {"NPROC": nproc, "CORE": 0, "DATA": lim.memory, "FSIZE": lim.file}
