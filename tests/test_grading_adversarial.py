@@ -28,7 +28,31 @@ from course_lib.tools.grading.exercise import Catalog
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = f"course-detached-{os.getpid()}"
+PLANTED = f"planted_{os.getpid()}.py"
 STRONG = isolation.detect() in ("namespaces+uid", "uid", "namespaces")
+
+class _Listener:
+    """A TCP server on the grader's localhost that keeps what it is sent (a kernel should reach nothing)."""
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port, self.received = self.sock.getsockname()[1], []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+                with conn:
+                    conn.settimeout(2)
+                    self.received.append(conn.recv(4096))
+            except OSError:
+                if self.sock.fileno() < 0:
+                    return
+
 
 LEAK = A.Attack(
     "leaks_hidden_tests", "02_batch_size", honest=0,
@@ -67,15 +91,16 @@ def one_f_one_b_stage(num_stages, num_microbatches, stage):
 
 
 @pytest.fixture(scope="module")
-def graded(tmp_path_factory) -> dict:
+def graded(tmp_path_factory):
     """The class folder, graded once: rows by student, the solutions' bytes before, and the run itself."""
     base = tmp_path_factory.mktemp("adversarial")
     solutions = base / "solutions"
     shutil.copytree(ROOT / "solutions", solutions)
     before = {p.name: p.read_bytes() for p in solutions.glob("*.ipynb")}
     folder = base / "class"
+    listener = _Listener()
     attacks = [*A.IN_KERNEL, A.rewrite_solutions(solutions), A.COPY_CLASSMATE, A.KILLER, A.detached(TOKEN), LEAK,
-               FORGED]
+               FORGED, *A.LIMITS, A.exfiltrate(listener.port), A.plant(PLANTED, [folder])]
     for attack in attacks:
         attack.write(folder)
     A.write_solution(folder, "02_batch_size", "zz_classmate")   # what the copier hopes to find
@@ -84,7 +109,8 @@ def graded(tmp_path_factory) -> dict:
     later.mkdir()
     shutil.copy(ROOT / "exercises" / "02_batch_size.ipynb", later)
     out = base / "out"
-    env = {**os.environ, "COURSE_SOLUTIONS": str(solutions), "PYTHONPATH": str(ROOT)}
+    # a small work folder: the disk filler fills it (a tmpfs, in memory) before the default's 512 MiB
+    env = {**os.environ, "COURSE_SOLUTIONS": str(solutions), "PYTHONPATH": str(ROOT), "COURSE_GRADER_DISK_MB": "128"}
     start = time.monotonic()
     run = subprocess.run([sys.executable, "-m", "course_lib.tools.cli", "grade", str(folder), "-j", "2", "--timeout", "60",
                           "--csv", str(out / "grades.csv")], capture_output=True, text=True, env=env, timeout=900)
@@ -93,8 +119,13 @@ def graded(tmp_path_factory) -> dict:
     rows = {r["student"]: r for r in csv.DictReader(csv_text.splitlines())}
     doc = json.loads((out / "grades.json").read_text()) if (out / "grades.json").exists() else {}
     print(f"graded {len(rows)} notebooks in {seconds:.0f} s, isolation {doc.get('isolation')}")
-    return {"run": run, "rows": rows, "json": doc, "csv": out / "grades.csv", "csv_text": csv_text, "out": out,
-            "solutions": solutions, "before": before, "attacks": {a.name: a for a in attacks}}
+    listener.sock.close()
+    planted = [p for where in (ROOT, folder) for p in where.rglob(PLANTED)]
+    for path in planted:  # never leave a planted file in the course, whatever the verdict
+        path.unlink()
+    yield {"run": run, "rows": rows, "json": doc, "csv": out / "grades.csv", "csv_text": csv_text, "out": out,
+           "solutions": solutions, "before": before, "attacks": {a.name: a for a in attacks}, "listener": listener,
+           "planted": planted}
 
 
 @pytest.mark.parametrize("name", [a.name for a in A.IN_KERNEL + [FORGED, LEAK]])
@@ -143,6 +174,37 @@ def test_no_process_outlives_its_notebook_and_the_grades_stay_as_written(graded)
     assert not left, f"a detached process outlived the grader: {left}"
     time.sleep(2)  # it would rewrite every CSV it can reach twice a second
     assert graded["csv"].read_text() == graded["csv_text"] and "tampered" not in graded["csv_text"]
+
+
+@pytest.mark.parametrize("name, reason", [("fork_storm", "limit of 128 processes"),
+                                          ("memory_hog", "ran out of memory: the sandbox gives each process"),
+                                          ("disk_filler", "filled the sandbox's 128 MiB work folder")])
+def test_a_kernel_that_exceeds_a_limit_scores_zero_and_the_reason_says_which(graded, name, reason):
+    row = graded["rows"][name]
+    assert row["score"] == "0", f"{name} ({graded['attacks'][name].what}) scored {row['score']}"
+    assert reason in row["q1_max_batch_size_test_reason"], row["q1_max_batch_size_test_reason"]
+
+
+def test_the_grade_says_which_isolation_it_used_and_what_it_leaves_open(graded):
+    mode = isolation.detect()
+    said = isolation.describe(mode, isolation.Limits(disk=128 * 2**20))  # as COURSE_GRADER_DISK_MB=128 asks
+    assert f"[course] isolation: {said}" in graded["run"].stderr, graded["run"].stderr[:2000]
+    assert graded["json"]["isolation"] == mode and graded["json"]["isolation_detail"] == said
+
+
+def test_no_kernel_reaches_the_network(graded):
+    """The hidden tests' inputs go nowhere: the kernel has no network (or the grade says that it has)."""
+    if not isolation.network_isolated(isolation.detect()):
+        assert "network OPEN" in graded["run"].stderr
+        pytest.skip("this machine gives the kernel no network namespace; the grade says so")
+    assert graded["listener"].received == [], "a kernel sent the tests' inputs to the grader's localhost"
+    assert graded["rows"]["exfiltrate"]["score"] == "2", "its honest answer still counts"
+
+
+@pytest.mark.skipif(not STRONG, reason="this machine gives the kernel no isolation: see isolation.detect()")
+def test_no_kernel_writes_into_the_course_or_another_submission(graded):
+    assert graded["planted"] == [], f"a kernel wrote {graded['planted']}"
+    assert graded["rows"]["planter"]["score"] == "2", "its honest answer still counts"
 
 
 def test_feedback_never_quotes_a_hidden_test(graded):

@@ -5,6 +5,7 @@
 - ``checks``: ``raised``, ``same`` and ``close``, which the test cells use;
 - ``wire``: the answers a kernel sends out, as plain data (no pickle);
 - ``isolation`` and ``sandbox``: where a learner's kernel runs, and what it cannot reach;
+- ``limits``: the processes, memory, file size and disk a kernel may use, in every mode;
 - ``execute``: running cells in that kernel with time limits;
 - ``checker``: the instructor's checks, run in the grader on the answers;
 - ``forbid``: what a question's answer must not call;

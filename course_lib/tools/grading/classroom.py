@@ -33,7 +33,7 @@ from typing import Callable
 
 from course_lib.tools.grading.exercise import Catalog, Exercise, GradingError, is_test_cell, notebook_from_bytes
 from course_lib.tools.grading.grade import GradeResult, grade_notebook, points_text
-from course_lib.tools.grading.isolation import detect
+from course_lib.tools.grading.isolation import Limits, describe, detect
 
 
 @dataclass
@@ -59,6 +59,7 @@ class Settings:
     isolation: str | None = None           # None: the strongest the machine allows
     hide: list[Path] = field(default_factory=list)
     threads: int = 1
+    limits: Limits | None = None           # None: Limits.from_env()
 
 
 def find_submissions(folder: Path) -> list[Path]:
@@ -81,7 +82,7 @@ def _grade_one(sub: Submission, settings: Settings) -> tuple[GradeResult | None,
     try:
         result = grade_notebook(sub.path, timeout=settings.timeout, total_timeout=settings.notebook_timeout,
                                 exercise=sub.exercise, isolation=settings.isolation, hide=settings.hide,
-                                threads=settings.threads, data=sub.data)
+                                threads=settings.threads, data=sub.data, limits=settings.limits)
         return result, ""
     except (GradingError, OSError) as exc:
         return None, str(exc)
@@ -114,8 +115,9 @@ def _run_pool(subs: list[Submission], settings: Settings, jobs: int,
 def grade_folder(folder: Path | str, timeout: int = 60, solutions: Path | str | None = None,
                  progress: Callable[[Submission], None] | None = None, jobs: int = 1,
                  notebook_timeout: float | None = None, isolation: str | None = None,
-                 hide: list[Path] | None = None) -> list[Submission]:
-    """Grade every notebook under ``folder`` with ``jobs`` parallel workers (each notebook in its own kernel)."""
+                 hide: list[Path] | None = None, limits: Limits | None = None) -> list[Submission]:
+    """Grade every notebook under ``folder`` with ``jobs`` parallel workers (each notebook in its own kernel,
+    within ``limits``)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"no such folder: {folder}")
@@ -136,7 +138,7 @@ def grade_folder(folder: Path | str, timeout: int = 60, solutions: Path | str | 
         sub.student = student_id(Path(sub.rel), sub.exercise.name if sub.exercise else None)
         subs.append(sub)
     settings = Settings(timeout, notebook_timeout, isolation, [folder, catalog.folder, *(hide or [])],
-                        threads=max(1, (os.cpu_count() or 1) // jobs))
+                        threads=max(1, (os.cpu_count() or 1) // jobs), limits=limits or Limits.from_env())
     todo = [s for s in subs if s.exercise is not None]
     for s in subs:
         if s.exercise is None and progress:
@@ -294,7 +296,8 @@ def write_outputs(subs: list[Submission], csv_path: Path, feedback_dir: Path | N
                   isolation: str = "") -> dict[str, Path]:
     """The CSV, the JSON, the summary and the feedback files, each written atomically; their paths."""
     rows = summary(subs)
-    json_doc = {"isolation": isolation, "summary": rows, "submissions": [
+    detail = describe(isolation) if isolation else ""
+    json_doc = {"isolation": isolation, "isolation_detail": detail, "summary": rows, "submissions": [
         {"student": s.student, "submission": s.rel, **(s.result.as_dict() if s.result else {"error": s.problem})}
         for s in subs]}
     out = {"csv": write_atomic(csv_path, csv_text(subs)),

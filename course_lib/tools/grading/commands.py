@@ -63,6 +63,9 @@ def grade(args: argparse.Namespace) -> int:
         return _grade_folder(target, args)
     path = target
     ex = Catalog(_solutions(args)).find(read_notebook(path), path)
+    from course_lib.tools.grading import isolation
+
+    print(f"[course] isolation: {isolation.describe(isolation.detect())}", file=sys.stderr, flush=True)
     result = grade_notebook(path, timeout=args.timeout, exercise=ex,
                             total_timeout=getattr(args, "notebook_timeout", None), hide=[path.resolve().parent])
     print(json.dumps(result.as_dict(), indent=1) if args.json else format_result(result))
@@ -77,7 +80,8 @@ def _grade_folder(folder: Path, args: argparse.Namespace) -> int:
     feedback = getattr(args, "feedback", None)
     feedback_dir = None if feedback == "none" else Path(feedback) if feedback else csv_path.parent / "feedback"
     mode = isolation.detect()
-    print(f"[course] isolation: {mode}; {getattr(args, 'jobs', 1)} worker(s)", file=sys.stderr, flush=True)
+    print(f"[course] isolation: {isolation.describe(mode)}", file=sys.stderr, flush=True)
+    print(f"[course] {getattr(args, 'jobs', 1)} worker(s)", file=sys.stderr, flush=True)
 
     def progress(sub: Submission) -> None:
         if sub.result:

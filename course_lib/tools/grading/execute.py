@@ -26,6 +26,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from queue import Empty
+from typing import Callable
 
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
@@ -53,6 +54,7 @@ class CellRun:
     traceback: str = ""
     seconds: float = 0.0
     cause: int | None = None  # for not_run: the cell whose crash or hang stopped the run
+    limit: str = ""           # the sandbox's limit this cell passed, in the grader's words (the kernel was stopped)
 
 
 class _SandboxSpecs(KernelSpecManager):
@@ -66,6 +68,20 @@ class _SandboxSpecs(KernelSpecManager):
     def get_kernel_spec(self, kernel_name: str) -> KernelSpec:
         return KernelSpec(argv=self.argv, display_name="Python 3 (course grader)", language="python",
                           interrupt_mode="message")
+
+
+class _SandboxKernel(AsyncKernelManager):
+    """A kernel reached over Unix sockets in its own folder (ZeroMQ ``ipc``), never TCP: in its own network
+    namespace it has no other way to talk, and no port on this machine's localhost is opened for it."""
+
+    def __init__(self, sandbox: Sandbox, **kwargs) -> None:
+        super().__init__(transport="ipc", ip=str(sandbox.ipc), **kwargs)
+        self.sandbox = sandbox
+
+    async def _async_launch_kernel(self, kernel_cmd: list[str], **kw) -> None:
+        await super()._async_launch_kernel(kernel_cmd, **kw)
+        # the sockets are where the kernel sees them; the grader may reach that folder by another path
+        self.ip = self.sandbox.attach(self.provisioner.process.pid)
 
 
 class _Client(NotebookClient):
@@ -119,14 +135,14 @@ async def _interrupt(client: NotebookClient) -> bool:
 
 
 async def _run_cells(nb: NotebookNode, sandbox: Sandbox, timeout: int, total_timeout: float,
-                     runs: list[CellRun]) -> None:
+                     runs: list[CellRun], after_cell: Callable[[int, CellRun], None] | None) -> None:
     replies: dict[int, dict] = {}
 
     def on_executed(cell: NotebookNode, cell_index: int, execute_reply: dict) -> None:
         replies[cell_index] = execute_reply.get("content", {}) if execute_reply else {}
 
-    km = AsyncKernelManager(kernel_name="python3", kernel_spec_manager=_SandboxSpecs(sandbox.argv()),
-                            connection_file=str(sandbox.connection_file), log=_quiet_logger())
+    km = _SandboxKernel(sandbox, kernel_name="python3", kernel_spec_manager=_SandboxSpecs(sandbox.argv()),
+                        connection_file=str(sandbox.connection_file), log=_quiet_logger())
     client = _Client(
         nb, km=km, timeout=timeout, allow_errors=True, interrupt_on_timeout=False, kernel_name="python3",
         startup_timeout=STARTUP_TIMEOUT, shutdown_kernel="immediate", record_timing=False, log=_quiet_logger(),
@@ -186,6 +202,16 @@ async def _run_cells(nb: NotebookNode, sandbox: Sandbox, timeout: int, total_tim
                 run.status, run.evalue = "dead", f"the kernel failed ({type(exc).__name__}: {exc})"
                 stopped, cause = "the kernel failed earlier", i
             run.seconds = time.monotonic() - start
+            if after_cell is not None and not stopped:
+                after_cell(i, run)  # while the kernel lives: its folder goes with it
+            over = sandbox.over_limit()
+            if over and not stopped:
+                run.status, run.ename, run.evalue, run.limit = "error", "", over, over
+                stopped, cause = f"the kernel was stopped: {over}", i
+                try:
+                    await asyncio.wait_for(ensure_async(client.km.shutdown_kernel(now=True)), GRACE)
+                except Exception:
+                    pass
     finally:
         try:
             await asyncio.wait_for(setup.__aexit__(None, None, None), GRACE)
@@ -194,20 +220,22 @@ async def _run_cells(nb: NotebookNode, sandbox: Sandbox, timeout: int, total_tim
         log.close()
 
 
-def run_notebook(nb: NotebookNode, sandbox: Sandbox, timeout: int = 60,
-                 total_timeout: float | None = None) -> list[CellRun]:
+def run_notebook(nb: NotebookNode, sandbox: Sandbox, timeout: int = 60, total_timeout: float | None = None,
+                 after_cell: Callable[[int, CellRun], None] | None = None) -> list[CellRun]:
     """Execute ``nb`` in a fresh kernel inside ``sandbox``; one ``CellRun`` per cell.
 
     ``timeout``: seconds per cell. ``total_timeout``: seconds for all cells
     (default: ten cells' worth, at least two minutes), so grading always ends.
-    The sandbox is left for the caller to read its results and close.
+    ``after_cell(index, run)`` is called after each cell while the kernel still
+    lives (to read what it wrote: in a namespace its folder ends with it). A
+    kernel whose folder outgrows the sandbox's limit is stopped there.
     """
     if timeout < 1:
         raise GradingError(f"the time limit per cell must be at least 1 second, got {timeout}")
     total = total_timeout if total_timeout is not None else max(120, 10 * timeout)
     runs = [CellRun() for _ in nb.cells]
     try:
-        asyncio.run(_run_cells(nb, sandbox, timeout, total, runs))
+        asyncio.run(_run_cells(nb, sandbox, timeout, total, runs, after_cell))
     finally:
         sandbox.kill_leftovers()
     return runs

@@ -33,7 +33,7 @@ from course_lib.tools.grading.exercise import (
     Exercise, Question, find_exercise, grade_id, is_test_cell, notebook_from_bytes,
 )
 from course_lib.tools.grading.execute import CellRun, run_notebook
-from course_lib.tools.grading.isolation import Sandbox, detect
+from course_lib.tools.grading.isolation import Limits, Sandbox, detect, limit_reason
 
 STATUSES = ("passed", "failed", "error", "timeout", "rejected")
 _CELL_LINE = re.compile(r"Cell In\[\d+\], line (\d+)")
@@ -188,10 +188,13 @@ def _result(q: Question, status: str, message: str, hidden: bool = False) -> Que
 
 
 def _judge_cells(q: Question, cells: list[int], test: int, labels: list[str], runs: list[CellRun],
-                 prod: Producer) -> QuestionResult | None:
+                 prod: Producer, limits: Limits) -> QuestionResult | None:
     """The first thing that went wrong in a question's cells in the kernel, if anything did."""
     for i in cells:
         run, label = runs[i], labels[i]
+        limit = run.limit or (limit_reason(run.ename, run.evalue, limits) if run.status == "error" else "")
+        if limit:
+            return _result(q, "error", f"{'the test' if i == test else label} {limit}")
         if run.status == "not_run":
             where = f", in {labels[run.cause]}" if run.cause is not None else ""
             return _result(q, "timeout" if "overall limit" in run.evalue else "error", f"not run: {run.evalue}{where}")
@@ -217,31 +220,45 @@ def _judge_cells(q: Question, cells: list[int], test: int, labels: list[str], ru
     return _result(q, "error", f"your code raised {run.ename} on {inputs}: {run.evalue}", hidden)
 
 
-def _read_answers(sandbox: Sandbox, ex: Exercise, runs: list[CellRun],
-                  test_at: dict[str, int]) -> dict[str, Any]:
-    """Question -> its decoded answers, or the ``WireError`` that says why they cannot be read."""
-    out: dict[str, Any] = {}
-    for q in ex.questions:
-        if runs[test_at[q.name]].status != "ok":
-            continue
-        try:
-            out[q.name] = wire.load(str(sandbox.results / f"{q.name}.answers"))
-        except wire.WireError as exc:
-            out[q.name] = exc
-    return out
+class _Answers:
+    """Reads each question's answers file right after its test cell ran, while the kernel (and, in a
+    namespace, its folder) still exists; ``decoded()`` turns them into values afterwards."""
+
+    def __init__(self, sandbox: Sandbox, test_at: dict[str, int]) -> None:
+        self.sandbox, self.question = sandbox, {at: name for name, at in test_at.items()}
+        self.raw: dict[str, bytes | wire.WireError] = {}
+
+    def __call__(self, index: int, run: CellRun) -> None:
+        name = self.question.get(index)
+        if name is not None and run.status == "ok":
+            try:
+                self.raw[name] = self.sandbox.read_result(f"{name}.answers")
+            except wire.WireError as exc:
+                self.raw[name] = exc
+
+    def decoded(self) -> dict[str, Any]:
+        """Question -> its decoded answers, or the ``WireError`` that says why they cannot be read."""
+        out: dict[str, Any] = {}
+        for name, raw in self.raw.items():
+            try:
+                out[name] = raw if isinstance(raw, wire.WireError) else wire.loads(raw)
+            except wire.WireError as exc:
+                out[name] = exc
+        return out
 
 
 def grade_notebook(path: Path | str, timeout: int = 60, solutions: Path | str | None = None,
                    hidden: bool = True, total_timeout: float | None = None, exercise: Exercise | None = None,
                    isolation: str | None = None, hide: list[Path] | None = None, threads: int = 1,
-                   data: bytes | None = None) -> GradeResult:
+                   data: bytes | None = None, limits: Limits | None = None) -> GradeResult:
     """Grade one learner notebook; ``hidden=False`` runs only the visible tests (``course check``).
 
     ``exercise``: the instructor's exercise, already read (else found from the
     notebook and ``solutions``). ``isolation``: a mode of ``isolation.MODES``
     (default: the strongest this machine allows when grading, ``none`` for a
     check). ``hide``: folders the kernel must not see (the class's submissions,
-    the grades). ``data``: the notebook's bytes, already read.
+    the grades). ``data``: the notebook's bytes, already read. ``limits``: what
+    the kernel may use (default: ``Limits.from_env()``).
     """
     path = Path(path)
     data = path.read_bytes() if data is None else data
@@ -249,12 +266,14 @@ def grade_notebook(path: Path | str, timeout: int = 60, solutions: Path | str | 
     ex = exercise or find_exercise(learner, path, solutions)
     mode = isolation or (detect() if hidden else "none")
     torch_too = uses_torch(ex)
-    with Sandbox(mode, path.name, data, hide=list(hide or []), threads=threads) as sandbox:
+    with Sandbox(mode, path.name, data, hide=list(hide or []), threads=threads, limits=limits) as sandbox:
         prods = {q.name: producer(q, hidden, str(sandbox.results / f"{q.name}.answers"), torch_too)
                  for q in ex.questions}
         nb, labels, test_at = build_run_notebook(learner, ex, {k: p.source for k, p in prods.items()})
-        runs = run_notebook(nb, sandbox, timeout=timeout, total_timeout=total_timeout)
-        answers = _read_answers(sandbox, ex, runs, test_at)
+        collect = _Answers(sandbox, test_at)
+        runs = run_notebook(nb, sandbox, timeout=timeout, total_timeout=total_timeout, after_cell=collect)
+        answers = collect.decoded()
+        limits = sandbox.limits
     verdicts = Checker(ex, hidden).check({k: v for k, v in answers.items() if not isinstance(v, wire.WireError)})
     owner = owned_cells(nb, test_at)
     tests = set(test_at.values())
@@ -263,7 +282,7 @@ def grade_notebook(path: Path | str, timeout: int = 60, solutions: Path | str | 
     results = []
     for q in ex.questions:
         at = test_at[q.name]
-        found = _judge_cells(q, owner[at], at, labels, runs, prods[q.name])
+        found = _judge_cells(q, owner[at], at, labels, runs, prods[q.name], limits)
         if found is None and isinstance(answers.get(q.name), wire.WireError):
             found = _result(q, "error", f"your answers could not be read: {answers[q.name]}")
         if found is None:

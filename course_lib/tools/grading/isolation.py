@@ -1,26 +1,35 @@
-"""Where a learner's kernel runs: a fresh folder, a clean environment, and as little reach as the machine allows.
+"""Where a learner's kernel runs: a fresh folder, a clean environment, limits, and as little reach as the machine allows.
 
 Every notebook gets a new temporary work folder holding only a copy of the
 notebook (never the files handed in beside it) and runs ``python -I`` with
-the trusted ``course_lib`` first on ``sys.path``. How far it is shut off
-depends on what the machine allows (``detect``), strongest first:
+the trusted ``course_lib`` first on ``sys.path``. The grader talks to it over
+Unix sockets in that folder (ZeroMQ's ``ipc`` transport), never TCP. In every
+mode it gets the limits of ``Limits`` (processes, memory per process, file
+size, and the size of its folder). How far it is shut off depends on what the
+machine allows (``detect``), strongest first:
 
 - ``namespaces+uid`` (the grader is root and ``unshare`` works, as in CI): new
-  PID and mount namespaces and a user id of its own, drawn at random per
-  notebook. The kernel cannot see, let alone signal, the grader; the
-  instructor's folders are hidden under empty mounts; ``/tmp`` is its own; when
-  it ends, everything left in its namespace is killed, detached processes too.
+  PID, mount and network namespaces and a user id of its own, drawn at random
+  per notebook. The kernel sees of the course only what a learner's copy holds
+  (``course_lib``, ``data``, ``exercises``), no git history, solutions or tests;
+  the whole file system is read-only but its work folder and temporary
+  folders (one size-capped ``tmpfs``); it has no network (its own, with only
+  a loopback); it cannot see, let alone signal, the grader; when it ends,
+  everything left in its namespace is killed, detached processes too.
 - ``uid`` (root, no namespaces, e.g. a container without ``CAP_SYS_ADMIN``): its
   own user id, so it cannot signal the grader or write the instructor's files
-  (but can read what is world-readable); every process of that user id is
-  killed at the end.
+  (but can read what is world-readable, and keeps the network); every process
+  of that user id is killed at the end.
 - ``namespaces`` (not root, unprivileged user namespaces allowed): the same
-  namespaces, with the instructor's user id but no capabilities; it can still
-  write what the instructor can write outside the hidden folders.
-- ``none``: only the fresh folder, the clean environment and its own session;
-  a detached process can outlive it and it can signal the grader (a worker
-  process absorbs that, see ``classroom``). ``course check`` runs this way: it
-  is the learner's own code on the learner's own machine.
+  namespaces and read-only view as the first mode, with the instructor's user
+  id but no capabilities.
+- ``none``: only the fresh folder, the clean environment, the limits and its
+  own session; a detached process can outlive it and it can signal the grader
+  (a worker process absorbs that, see ``classroom``). ``course check`` runs
+  this way: it is the learner's own code on the learner's own machine.
+
+``describe`` says in words what the chosen mode protects against and what not
+(``course grade`` prints it; docs/grading.md has the table).
 """
 
 from __future__ import annotations
@@ -39,22 +48,44 @@ from pathlib import Path
 
 import psutil
 
+from course_lib.tools.grading import wire
 from course_lib.tools.grading.exercise import ROOT, GradingError
+from course_lib.tools.grading.limits import Limits, limit_reason  # noqa: F401 (part of this module's API)
 
 MODES = ("namespaces+uid", "uid", "namespaces", "none")
+NAMESPACED = ("namespaces+uid", "namespaces")
 SANDBOX_PY = Path(__file__).with_name("sandbox.py")
 UID_BASE = int(os.environ.get("COURSE_GRADER_UID_BASE", "2000000000"))  # kernels get UID_BASE + random(2**24)
 NS_FLAGS = ["--pid", "--fork", "--kill-child", "--mount", "--mount-proc", "--propagation", "private"]
-RLIMITS = {"NPROC": 512, "CORE": 0, "FSIZE": 2**30}  # processes of the kernel's user id, core dumps, file size
+LEARNER_COPY = ("course_lib", "data", "exercises")  # what of the course a kernel sees: a learner's copy holds them
 _PROBE = ("import ctypes; libc = ctypes.CDLL(None, use_errno=True); "
           "raise SystemExit(libc.mount(b'none', b'/tmp', b'tmpfs', 0, None))")
 
 
-def _unshare(root: bool) -> list[str] | None:
+def _works(cmd: list[str]) -> bool:
+    try:
+        return subprocess.run([*cmd, sys.executable, "-I", "-c", _PROBE], capture_output=True,
+                              timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def _ns_flags() -> tuple[str, ...] | None:
+    """The ``unshare`` flags that work here: with a network namespace if allowed, else without; None if none do."""
     exe = shutil.which("unshare")
     if exe is None:
         return None
-    return [exe, *([] if root else ["--user", "--map-root-user"]), *NS_FLAGS]
+    user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
+    for flags in ([*NS_FLAGS, "--net"], NS_FLAGS):
+        if _works([exe, *user, *flags]):
+            return (exe, *flags)
+    return None
+
+
+def _unshare(user_ns: bool) -> list[str]:
+    exe, *flags = _ns_flags() or (shutil.which("unshare") or "unshare", *NS_FLAGS)
+    return [exe, *(["--user", "--map-root-user"] if user_ns else []), *flags]
 
 
 @functools.lru_cache(maxsize=None)
@@ -62,28 +93,99 @@ def detect() -> str:
     """The strongest mode this machine allows (``COURSE_GRADER_ISOLATION`` may ask for a weaker one)."""
     root = os.geteuid() == 0
     wanted = os.environ.get("COURSE_GRADER_ISOLATION")
-    cmd = _unshare(root)
-    works = False
-    if cmd is not None:
-        try:
-            works = subprocess.run([*cmd, sys.executable, "-I", "-c", _PROBE], capture_output=True,
-                                   timeout=30).returncode == 0
-        except (OSError, subprocess.TimeoutExpired):
-            works = False
+    works = _ns_flags() is not None
     best = ("namespaces+uid" if works else "uid") if root else ("namespaces" if works else "none")
     if wanted in MODES and MODES.index(wanted) >= MODES.index(best):
         return wanted
     return best
 
 
+def network_isolated(mode: str) -> bool:
+    """Whether a kernel in ``mode`` has a network namespace of its own (no way out, only a loopback)."""
+    return mode in NAMESPACED and "--net" in (_ns_flags() or ())
+
+
+def processes_limited(mode: str) -> bool:
+    """Whether ``RLIMIT_NPROC`` holds: the kernel of root itself ignores it for root's processes."""
+    return mode in ("namespaces+uid", "uid") or os.geteuid() != 0
+
+
+def describe(mode: str, limits: Limits | None = None) -> str:
+    """One paragraph: what a kernel in ``mode`` cannot do on this machine, and what it still can."""
+    lim = limits or Limits.from_env()
+    mib = lambda n: f"{n / 2**20:.0f} MiB"  # noqa: E731
+    procs = f"{lim.processes} processes" if processes_limited(mode) else "processes NOT limited (root's own user id)"
+    limits_text = (f"limits: {procs}, {mib(lim.memory)} of memory per process, {mib(lim.file)} per file, "
+                   f"{mib(lim.disk)} of work folder ({'a tmpfs' if mode in NAMESPACED else 'checked after each cell'})")
+    net = ("no network (a namespace of its own)" if network_isolated(mode) else
+           "network OPEN (no network namespace here): it can reach other machines and this one's localhost")
+    files = {
+        "namespaces+uid": "sees only course_lib, data and exercises of the course (no .git, tests, solutions, "
+                          "build), everything read-only but its own folders; a user id of its own",
+        "namespaces": "sees only course_lib, data and exercises of the course (no .git, tests, solutions, "
+                      "build), everything read-only but its own folders; the instructor's user id, no capabilities",
+        "uid": "a user id of its own: writes nothing of the instructor's, but READS what is world-readable "
+               "(the solutions and .git included unless made private)",
+        "none": "the grader's user id: READS AND WRITES whatever the grader can (course_lib, the solutions, "
+                "other submissions); only for `course check` or a throw-away account",
+    }[mode]
+    return f"{mode}: {files}; {net}; {limits_text}"
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_sys_path() -> tuple[str, ...]:
+    """``sys.path`` of ``python -I`` here: the folders the kernel imports from (site-packages and .pth entries)."""
+    try:
+        out = subprocess.run([sys.executable, "-I", "-c", "import sys, json; print(json.dumps(sys.path))"],
+                             capture_output=True, text=True, timeout=60).stdout
+        return tuple(p for p in json.loads(out) if p and os.path.isdir(p))
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return ()
+
+
 def _needed() -> list[Path]:
-    """Paths the kernel must keep seeing: this course_lib, the interpreter and its libraries."""
+    """Paths the kernel must keep seeing: this course_lib, the interpreter and every folder it imports from."""
     paths = {ROOT, Path(sys.prefix), Path(sys.base_prefix), Path(sys.executable).resolve().parent}
-    return sorted(p.resolve() for p in paths)
+    paths |= {Path(p) for p in _kernel_sys_path()}
+    return sorted({p.resolve() for p in paths})
 
 
 def _within(path: Path, other: Path) -> bool:
     return path == other or other in path.parents
+
+
+def git_folders() -> tuple[list[Path], list[Path]]:
+    """This repository's git folders, and its other checkouts (worktrees: each holds the solutions)."""
+    git = ROOT / ".git"
+    if not git.is_file():
+        return [git], []
+    try:
+        own = Path(git.read_text().split("gitdir:", 1)[1].strip())
+        common = (own / (own / "commondir").read_text().strip()).resolve() if (own / "commondir").exists() else own
+    except (OSError, IndexError):
+        return [], []
+    checkouts = [common.parent] if common.name == ".git" else []
+    for gitdir in (common / "worktrees").glob("*/gitdir"):
+        try:
+            checkouts.append(Path(gitdir.read_text().strip()).parent)
+        except OSError:
+            pass
+    return [own, common], [c.resolve() for c in checkouts if c.exists() and c.resolve() != ROOT]
+
+
+def views() -> dict[str, list[str]]:
+    """Folders the kernel sees only part of: this course (what a learner's copy holds) and the repository's
+    other checkouts (only what this Python imports from them); folder -> what stays visible, read-only."""
+    needed = _needed()
+    _, others = git_folders()
+    folders = [ROOT, *others]
+    out: dict[str, list[str]] = {}
+    for folder in folders:
+        keep = [folder / n for n in LEARNER_COPY] if folder == ROOT else []
+        keep += [n for n in needed if folder in n.parents] + [f for f in folders if folder in f.parents]
+        keep = [k for k in keep if k.is_dir()]
+        out[str(folder)] = sorted({str(k) for k in keep if not any(o in k.parents for o in keep)})
+    return out
 
 
 def hideable(paths: list[Path]) -> tuple[list[str], list[str]]:
@@ -129,6 +231,15 @@ def kernel_env(workdir: Path, threads: int) -> dict[str, str]:
     }
 
 
+def _tasks_of(uid: int) -> int:
+    """Processes and threads now running as ``uid`` (what ``RLIMIT_NPROC`` counts)."""
+    count = 0
+    for p in psutil.process_iter(["uids", "num_threads"]):
+        if p.info["uids"] and p.info["uids"].real == uid:
+            count += p.info["num_threads"] or 1
+    return count
+
+
 @dataclass
 class Sandbox:
     """The folders and the launch command of one kernel; ``close()`` kills what is left and deletes them."""
@@ -138,11 +249,19 @@ class Sandbox:
     notebook_bytes: bytes
     hide: list[Path] = field(default_factory=list)
     threads: int = 1
+    limits: Limits | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"unknown isolation mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        self.limits = self.limits or Limits.from_env()
+        self.namespaces = self.mode in NAMESPACED
         self.uid = UID_BASE + secrets.randbelow(2**24) if self.mode in ("namespaces+uid", "uid") else None
+        blocked = unreachable(self.uid, self.uid) if self.uid is not None else {}
+        if blocked and self.mode == "uid":
+            raise GradingError(
+                f"a kernel running as another user cannot reach {', '.join(blocked)}, where this Python or the "
+                "course lives; install them where other users can read them, or set COURSE_GRADER_ISOLATION=none")
         # base (0711: others may pass through, not list) / ctl (0700: the grader's) and work (the kernel's)
         self.base = Path(tempfile.mkdtemp(prefix="course-grading-"))
         self.base.chmod(0o711)
@@ -156,25 +275,27 @@ class Sandbox:
         if self.uid is not None:
             for path in [self.work, *self.work.rglob("*")]:
                 os.chown(path, self.uid, self.uid)
+        # In a namespace the kernel's folder is a tmpfs the grader reaches through the launcher's /proc entry
+        # (``attach``); its Unix sockets ``.kernel-1`` ... ``.kernel-5`` live there too.
+        self.live = self.work
+        self.ipc = self.work / ".kernel"
         self.connection_file = self.ctl / "kernel.json"
         self.log = self.ctl / "launcher.log"
-        self.hidden, self.visible_anyway = hideable(self.hide + [ROOT / "solutions"])
-        blocked = unreachable(self.uid, self.uid) if self.uid is not None else {}
-        if blocked and self.mode == "uid":
-            raise GradingError(
-                f"a kernel running as another user cannot reach {', '.join(blocked)}, where this Python or the "
-                "course lives; install them where other users can read them, or set COURSE_GRADER_ISOLATION=none")
+        gits, _ = git_folders()
+        self.hidden, self.visible_anyway = hideable(self.hide + [ROOT / "solutions", *gits])
+        lim = self.limits
+        nproc = lim.processes if self.uid is not None or os.geteuid() == 0 else lim.processes + _tasks_of(os.getuid())
+        self.rlimits = {"NPROC": nproc, "CORE": 0, "DATA": lim.memory, "FSIZE": lim.file}
         env = kernel_env(self.work, self.threads)
-        namespaces = self.mode in ("namespaces+uid", "namespaces")
-        if not namespaces:  # the kernel's parent is this process: ipykernel then exits if it dies
+        if not self.namespaces:  # the kernel's parent is this process: ipykernel then exits if it dies
             env["JPY_PARENT_PID"] = str(os.getpid())
         config = {
-            "workdir": str(self.work), "uid": self.uid, "gid": self.uid, "hide": self.hidden, "expose": blocked,
-            "namespaces": namespaces,
+            "workdir": str(self.work), "uid": self.uid, "gid": self.uid, "notebook": self.notebook_name,
+            "namespaces": self.namespaces, "expose": blocked, "views": views() if self.namespaces else {},
+            "hide": self.hidden, "disk": lim.disk, "loopback": network_isolated(self.mode),
             "own_temp": not any(_within(n, Path(t)) for n in _needed() for t in ("/tmp", "/var/tmp", "/dev/shm")),
             "python": sys.executable, "sys_path": [str(ROOT)], "env": env,
-            "connection_file": str(self.connection_file),
-            "rlimits": RLIMITS if self.uid is not None else {},
+            "connection_file": str(self.connection_file), "rlimits": self.rlimits,
         }
         self.config = self.ctl / "sandbox.json"
         self.config.write_text(json.dumps(config))
@@ -182,20 +303,57 @@ class Sandbox:
     def argv(self) -> list[str]:
         """The kernel command line for jupyter_client."""
         launch = [sys.executable, "-I", "-B", str(SANDBOX_PY), str(self.config)]
-        if self.mode in ("namespaces+uid", "namespaces"):
-            return [*_unshare(self.mode == "namespaces+uid"), *launch]
-        return launch
+        return [*_unshare(self.mode == "namespaces"), *launch] if self.namespaces else launch
+
+    def attach(self, pid: int) -> str:
+        """Once the launcher runs as ``pid``: the prefix of the kernel's Unix sockets as the grader reaches them."""
+        if self.namespaces:  # unshare's one child is the namespace's process 1, whose folder is the kernel's
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    proc = psutil.Process(pid)
+                    children, ended = proc.children(), proc.status() == psutil.STATUS_ZOMBIE
+                except psutil.Error:
+                    children, ended = [], True
+                if children:
+                    self.live = Path(f"/proc/{children[0].pid}/cwd")
+                    break
+                if ended or time.monotonic() > deadline:
+                    raise GradingError("the sandbox's launcher did not start: " + self.startup_log())
+                time.sleep(0.005)
+        return str(self.live / ".kernel")
+
+    def read_result(self, name: str, max_bytes: int = wire.MAX_BYTES) -> bytes:
+        """The bytes of ``results/name`` in the kernel's folder (a plain file; raises ``wire.WireError``)."""
+        return wire.read_plain(str(self.live / "results"), name, max_bytes)
+
+    def over_limit(self) -> str:
+        """Why the kernel must stop, if its folder outgrew the limit (a tmpfs enforces it in a namespace)."""
+        if self.namespaces:
+            return ""
+        used, stack = 0, [str(self.work)]
+        while stack and used <= self.limits.disk:
+            try:
+                with os.scandir(stack.pop()) as entries:
+                    for e in entries:
+                        info = e.stat(follow_symlinks=False)
+                        used += info.st_blocks * 512
+                        if e.is_dir(follow_symlinks=False):
+                            stack.append(e.path)
+            except OSError:
+                continue
+        if used > self.limits.disk:
+            return (f"filled the sandbox's {self.limits.disk / 2**20:.0f} MiB work folder (found after the cell; "
+                    "without a namespace the folder is measured, not capped)")
+        return ""
 
     def startup_log(self, limit: int = 2000) -> str:
         """What the launcher and the kernel printed (for a kernel that did not start)."""
-        text = ""
-        for path in (self.log, self.work / ".kernel.log"):
-            try:
-                with open(path, "rb") as f:
-                    text += f.read(limit).decode(errors="replace")
-            except OSError:
-                pass
-        return text.strip()[-limit:]
+        try:
+            with open(self.log, "rb") as f:
+                return f.read(limit).decode(errors="replace").strip()[-limit:]
+        except OSError:
+            return ""
 
     def kill_leftovers(self) -> int:
         """Kill every process still running as the kernel's user id (its own, drawn for this notebook)."""

@@ -187,14 +187,22 @@ def loads(data: bytes) -> Any:
     return _Decoder(data[start + n:], doc["sizes"]).value(doc["value"], 0)
 
 
-def load(path: str, max_bytes: int = MAX_BYTES) -> Any:
-    """Read and decode the answers file at ``path``: a regular file (never a link), at most ``max_bytes``."""
+def read_plain(folder: str, name: str, max_bytes: int = MAX_BYTES) -> bytes:
+    """The bytes of ``folder/name``: a regular file, at most ``max_bytes``; neither the folder nor the file may
+    be a link (the kernel owns both and may have put one there)."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        dir_fd = os.open(folder, flags | getattr(os, "O_DIRECTORY", 0))
+    except OSError as exc:
+        raise WireError(f"the answers folder cannot be opened ({exc.strerror}): the kernel is gone or moved it")
+    try:
+        fd = os.open(name, flags | getattr(os, "O_NONBLOCK", 0), dir_fd=dir_fd)
     except FileNotFoundError:
         raise WireError("no answers were saved: the test cell did not finish") from None
     except OSError as exc:
         raise WireError(f"the answers file cannot be opened ({exc.strerror}); it must be a plain file") from None
+    finally:
+        os.close(dir_fd)
     with os.fdopen(fd, "rb") as f:
         info = os.fstat(f.fileno())
         if not stat.S_ISREG(info.st_mode):
@@ -205,4 +213,9 @@ def load(path: str, max_bytes: int = MAX_BYTES) -> Any:
         data = f.read(max_bytes + 1)
     if len(data) > max_bytes:
         raise WireError(f"the answers take more than {max_bytes / 2**20:.0f} MiB")
-    return loads(data)
+    return data
+
+
+def load(path: str, max_bytes: int = MAX_BYTES) -> Any:
+    """Read and decode the answers file at ``path``: a regular file (never a link), at most ``max_bytes``."""
+    return loads(read_plain(os.path.dirname(path) or ".", os.path.basename(path), max_bytes))
