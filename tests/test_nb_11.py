@@ -102,7 +102,8 @@ def test_moe_layer_by_hand(c: dict) -> None:
     assert c["ch11/moe_output_of_dropped_tokens"] == 0.0, "a token that lost every choice gets exactly zero"
     drops = c["ch11/moe_drop_rate_untrained"]
     assert drops["k=1, factor 1"] > 0 and drops["k=2, factor 1"] > 0, "an untrained router overflows some expert"
-    assert [v for key, v in drops.items() if "factor 1" not in key] == [0.0, 0.0], "capacity factor E/k drops nothing"
+    no_drop = [v for key, v in drops.items() if not key.endswith("factor 1")]
+    assert no_drop == [0.0, 0.0], "capacity factor E/k drops nothing"
 
 
 def test_drop_rate_against_capacity_factor(c: dict) -> None:
@@ -112,7 +113,7 @@ def test_drop_rate_against_capacity_factor(c: dict) -> None:
         assert rates == sorted(rates, reverse=True), f"{name}: more capacity never drops more"
         # room for a fraction f of the choices drops at least 1 - f of them, and at f = 1 an uneven router drops some
         assert all(r >= 1 - float(f) - EXACT for f, r in curve.items()), f"{name}: {curve}"
-        assert curve["1.0"] > 0 and rates[-1] < 0.05, f"{name}: {curve}"
+        assert curve["1.0"] > 0 and rates[-1] < curve["1.0"] / 3, f"{name}: three times the room drops far less"
     tokens = c["ch11/moe_tokens_per_expert_init"]
     assert sum(tokens["k=2"]) == 2 * sum(tokens["k=1"]), "k choices per token"
     assert max(tokens["k=1"]) > sum(tokens["k=1"]) / len(tokens["k=1"]), "an untrained router is uneven"
@@ -130,7 +131,7 @@ def test_auxiliary_loss(c: dict) -> None:
         assert balanced["starved"][s] == 0 < free["starved"][s]
         assert balanced["loss"][s] < free["loss"][s], "dropped tokens and starved experts cost task loss"
         assert balanced["drop_vs_factor"][s][3] < free["drop_vs_factor"][s][3]  # capacity factor 1.25
-    assert max(balanced["imbalance"]) < 1.6
+    assert max(balanced["imbalance"]) < 1.75 < min(free["imbalance"])
 
 
 def test_expert_parallel_equals_one_process(c: dict) -> None:

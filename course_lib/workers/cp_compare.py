@@ -12,7 +12,7 @@ Tasks (``--tasks``, in this order, in one launch):
 - ``saved``: the bytes one block saves for the backward on each rank, against
   the same code in one process and the course's block (naive and fused attention);
 - ``train``: ``--steps`` Adam steps of the whole model in float32 (zigzag),
-  losses against one process, seconds per step, bytes sent per step, the peak per rank;
+  losses against one process, seconds per step, bytes sent per step, the peak and the states per rank;
 - ``api``: torch's ``context_parallel`` on the same model with fused
   attention: losses and gradients against one process, or the error it raises.
 
@@ -194,8 +194,10 @@ def train_task(cfg: RunConfig, device: torch.device) -> dict:
         dist.all_reduce(total)
         losses.append(total.item())
     sent_per_step = ring.counter.bytes / cfg.steps
+    held = {"params": memory.param_bytes(model), "grads": memory.grad_bytes(model),
+            "optimizer": memory.optimizer_state_bytes(opt)}
     return {"ref_losses": ref_losses, "losses": losses, "seconds": gather_per_rank(seconds),
-            "sent_per_step": sent_per_step, "peak": gather_per_rank(peak)}
+            "sent_per_step": sent_per_step, "peak": gather_per_rank(peak), "held": gather_per_rank(held)}
 
 
 def api_task(cfg: RunConfig, device: torch.device) -> dict:
