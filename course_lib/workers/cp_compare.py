@@ -147,12 +147,13 @@ def saved_task(cfg: RunConfig, device: torch.device) -> dict[str, list[int]]:
 
     local = cp.shard(x.detach(), world, rank, "zigzag").requires_grad_()
     ring = cp.Ring.of(cfg.seq_len)
-    per_rank = gather_per_rank(memory.saved_activation_bytes(lambda: cp_block(local, ring), exclude=[*params, local]))
-    one = memory.saved_activation_bytes(lambda: cp_block(x, cp.Ring(cfg.seq_len)), exclude=[*params, x])
-    naive = memory.saved_activation_bytes(lambda: block(x), exclude=[*params, x])
+    # the block's input counts: in a model it is the previous block's output, kept for this block's backward
+    per_rank = gather_per_rank(memory.saved_activation_bytes(lambda: cp_block(local, ring), exclude=params))
+    one = memory.saved_activation_bytes(lambda: cp_block(x, cp.Ring(cfg.seq_len)), exclude=params)
+    naive = memory.saved_activation_bytes(lambda: block(x), exclude=params)
     fused = TransformerBlock(cfg.d_model, cfg.n_heads, cfg.seq_len, fused=True).to(device)
     fused.load_state_dict(block.state_dict())
-    fused_bytes = memory.saved_activation_bytes(lambda: fused(x), exclude=[*fused.parameters(), x])
+    fused_bytes = memory.saved_activation_bytes(lambda: fused(x), exclude=list(fused.parameters()))
     return {"cp": per_rank, "one_process": [one], "naive": [naive], "fused": [fused_bytes]}
 
 
