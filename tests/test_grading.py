@@ -295,6 +295,29 @@ def chunked_cross_entropy(hidden, weight, bias, targets, chunks):
     total = sum(F.cross_entropy(F.linear(h, weight, bias), y, reduction="sum")   # the forward only: every
                 for h, y in zip(hidden.chunk(chunks), targets.chunk(chunks)))  # chunk's log-softmax is saved
     return total / len(hidden)'''},
+    "11_context_expert_parallel": {"q1_merge_partials": '''
+def merge_partials(o1, lse1, o2, lse2):
+    w1, w2 = torch.exp(lse1), torch.exp(lse2)        # no running maximum: overflows for large log-sum-exps
+    total = w1 + w2
+    return (w1 * o1 + w2 * o2) / torch.where(total == 0, torch.ones_like(total), total), torch.log(total)''',
+                                   "q2_ring_attention_sim": '''
+def ring_attention_sim(q, k, v, c):
+    if not isinstance(c, int) or c < 1 or q.shape[0] % c:
+        raise ValueError(c)
+    T, d = q.shape
+    n, pos = T // c, torch.arange(T)
+    held, order, result = list(range(c)), [[] for _ in range(c)], [None] * c
+    for _ in range(c):
+        for r in range(c):
+            j = held[r]
+            order[r].append(j)
+            qs, ks = slice(r * n, (r + 1) * n), slice(j * n, (j + 1) * n)
+            s = ((q[qs] @ k[ks].T) / math.sqrt(d)).masked_fill(pos[ks][None, :] > pos[qs][:, None], float("-inf"))
+            lse = torch.logsumexp(s, -1, keepdim=True)
+            o = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)) @ v[ks]
+            result[r] = (o, lse) if result[r] is None else merge_partials(*result[r], o, lse)
+        held = [held[(r + 1) % c] for r in range(c)]   # receives from the right: the ring runs the wrong way
+    return torch.cat([o for o, _ in result]), order'''},
 }
 
 

@@ -122,3 +122,34 @@ def test_chapter_11_options_fit_long_sequences(c: dict, profile: str) -> None:
     # the same micro-batches without chapter 10's options do not fit, measured and predicted alike
     assert c["ch12/c10_without_measured_over_budget"] > 1.0 and c["ch12/c10_without_predicted_over_budget"] > 1.0
     assert 0.8 <= c["ch12/c10_without_measured_over_predicted"] <= 1.03
+
+
+def test_context_parallel_plan_matches_real_ranks(c: dict) -> None:
+    layouts = c["ch12/cp_layouts"]
+    assert sum(name.endswith("CP, ZeRO-3") for name in layouts) == 2 and sum(" TP " in n for n in layouts) == 1
+    choice = c["ch12/long_context_choice"]
+    fitting = {n: v for n, v in layouts.items() if v["fits"]}
+    assert choice in fitting, "the chosen layout fits"
+    assert all(v["split_mb"] + v["zero_mb"] >= fitting[choice]["split_mb"] + fitting[choice]["zero_mb"]
+               for v in fitting.values()), "and sends the fewest bytes of those that fit"
+    r = c["ch12/cp_measured_over_predicted"]
+    for part in ("params", "grads"):  # whole on every rank: byte counts
+        assert all(v == 1.0 for v in r[part]), (part, r[part])
+    lo, hi = r["optimizer"]
+    assert 1.0 <= lo <= hi < 1.001  # and Adam's step counters, one 4-byte tensor per parameter tensor
+    assert all(abs(v - 1) < 1e-9 for v in r["one block's saves"]), r["one block's saves"]
+    assert all(abs(v - 1) < 1e-9 for v in r["ring bytes per step"]), r["ring bytes per step"]
+    assert c["ch12/cp_loss_diff"] < 1e-5
+
+
+def test_expert_parallel_plan_matches_real_ranks(c: dict) -> None:
+    layouts = c["ch12/ep_layouts"]
+    choice = c["ch12/ep_choice"]
+    assert layouts[choice]["fits"] and not layouts["1x4"]["fits"], "one rank cannot hold every expert"
+    smaller = [k for k in layouts if int(k.split("x")[0]) < int(choice.split("x")[0])]
+    assert all(not layouts[k]["fits"] for k in smaller), "the smallest expert-parallel size that fits"
+    r = c["ch12/ep_measured_over_predicted"]
+    assert r["params"] == [1.0, 1.0] and all(abs(v - 1) < 1e-9 for v in r["gradient sums"])
+    lo, hi = r["all-to-all (even routing)"]
+    assert 0.5 < lo <= hi < 1.5, "a random router sends about its even share"
+    assert c["ch12/ep_max_diff"] < 1e-12

@@ -421,3 +421,52 @@ def test_chapter_11_options_refuse_what_they_cannot_run(model, measured_plan, lm
     with pytest.raises(ValueError, match="pass loss_fn=lm_loss"):
         planner.train_step(model, torch.nn.functional.mse_loss, x, y, torch.optim.Adam(model.parameters()),
                            planner.Config("fp32", 4, 1, 1, 0, loss_chunks=2))
+
+
+# ----- chapter 11: context and expert parallelism ---------------------------------------------
+
+
+def test_context_parallel_configs_are_checked():
+    assert "context parallel over 2" in planner.Config("fp32", 1, 1, 1, 0, fused=True, cp=2).describe()
+    for bad in (dict(cp=2), dict(cp=2, fused=True, segments=2), dict(cp=2, fused=True, loss_chunks=2), dict(ep=0)):
+        with pytest.raises(ValueError):
+            planner.Config(**{"precision": "fp32", "micro_batch": 1, "accumulation_steps": 1, "segments": 1,
+                              "zero_stage": 0, **bad})
+
+
+def test_context_parallel_divides_the_activations_and_prices_the_ring(measured_plan):
+    meas = measured_plan.measurements
+    one = planner.Config("fp32", 4, 1, 1, 0, fused=True)
+    whole = planner.predict_peak(meas, one, 4)
+    c0, slope = meas.fb["fp32 fused"]
+    h = meas.layers.width
+    for c in (2, 4):
+        cfg = dataclasses.replace(one, cp=c)
+        p = planner.predict_peak(meas, cfg, 4)
+        assert {k: p[k] for k in ("params", "grads", "optimizer")} == {k: whole[k] for k in ("params", "grads",
+                                                                                          "optimizer")}
+        fb = c0 + slope * 4 / c + 8 * 4 * T / c * h * 4
+        assert p["transient"] == int(-(-max(fb, meas.optimizer_tmp_bytes) // 1))
+        layer = 2 * (c - 1) / c * T * 4 * h * 4 + (4 * c - 2) / c * T * 4 * h * 4
+        assert planner.cp_comm_bytes(meas, cfg) == pytest.approx(meas.n_blocks * layer)
+    assert planner.cp_comm_bytes(meas, one) == 0.0
+    with pytest.raises(ValueError, match="not divisible by 2c"):
+        planner.predict_peak(meas, dataclasses.replace(one, cp=3), 3)  # T = 32 over 3 ranks
+    with pytest.raises(ValueError, match="does not divide"):
+        planner.predict_peak(meas, dataclasses.replace(one, cp=4), 2)
+
+
+def test_expert_parallel_layouts():
+    d, hid, E, tokens, k = 32, 64, 8, 64, 2
+    lays = {e: planner.predict_experts(d, hid, E, tokens, k, e, 4) for e in (1, 2, 4)}
+    expert = 2 * d * hid + hid + d
+    for e, lay in lays.items():
+        assert lay.params == d * E + E // e * expert and lay.states == 16 * lay.params
+        assert lay.all_to_all == pytest.approx(4 * (e - 1) / e * k * tokens * d * 4)
+    assert lays[1].all_to_all == 0 and lays[4].peak < lays[2].peak < lays[1].peak
+    chosen, weighed = planner.plan_experts(d, hid, E, tokens, k, 4, lays[2].peak)
+    assert chosen.ep == 2 and [w.ep for w in weighed] == [1, 2, 4], "the smallest e that fits: least traffic"
+    with pytest.raises(ValueError, match="needs"):
+        planner.plan_experts(d, hid, E, tokens, k, 4, lays[4].peak - 1)
+    with pytest.raises(ValueError, match="does not divide"):
+        planner.predict_experts(d, hid, E, tokens, k, 3, 4)

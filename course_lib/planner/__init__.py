@@ -9,7 +9,9 @@ keep the fastest that fits. The package reads in that order:
 - ``step``: ``train_step`` runs a ``Config`` for real, ``measure_peak`` measures its peak (to verify a plan);
 - ``measure``: ``calibrate`` measures a model once, into ``Measurements``;
 - ``predict``: ``predict_peak``, ``comm_bytes``, ``predict_step_time``: arithmetic on the measurements;
-- ``search``: ``plan`` weighs every candidate, keeps the fastest that fits, and says why.
+- ``search``: ``plan`` weighs every candidate, keeps the fastest that fits, and says why;
+- ``experts``: ``predict_experts``, ``plan_experts``: a mixture of experts' bytes per rank over ``e x d`` ranks
+  (chapter 11).
 
 Every public name is here too: ``planner.plan``, ``planner.Config``, ``planner.predict_peak``, ...
 """
@@ -22,6 +24,8 @@ from course_lib.planner.predict import (DEFAULT_BANDWIDTH, DEFAULT_HOST_BANDWIDT
                                         predict_step_time, tp_comm_bytes, tp_shares)
 from course_lib.planner.search import (DEFAULT_HEADROOM, MIN_CHUNK_TOKENS, TIMING_MAX_MICRO, Candidate, MiB, Plan,
                                        plan, segment_options)
+from course_lib.planner.experts import ExpertLayout, plan_experts, predict_experts
+from course_lib.planner.predict import cp_comm_bytes, cp_in_flight_bytes
 from course_lib.planner.step import (LossFn, attention_kernel, autocast, checkpointing, measure_peak, offloading,
                                      train_step)
 
@@ -34,4 +38,5 @@ __all__ = [
     "comm_bytes", "offload_bytes", "predict_peak", "predict_step_time", "tp_comm_bytes", "tp_shares",
     "DEFAULT_HEADROOM", "MIN_CHUNK_TOKENS", "TIMING_MAX_MICRO", "Candidate", "MiB", "Plan", "plan",
     "segment_options",
+    "ExpertLayout", "plan_experts", "predict_experts", "cp_comm_bytes", "cp_in_flight_bytes",
 ]

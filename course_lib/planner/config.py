@@ -3,7 +3,7 @@
 Each field is a lever an earlier chapter explains: the precision (chapter 05's bf16 autocast), the micro-batch
 and its accumulation steps (chapters 02-03), the checkpoint segments (chapter 05), the ZeRO stage (chapter 08),
 the tensor-parallel size and sequence parallelism (chapter 09), fused attention, offloading and the loss in
-chunks (chapter 10). ``pass_key`` names the forward/backward pass a configuration runs: ``measure`` measures one
+chunks (chapter 10), the context-parallel and expert-parallel sizes (chapter 11). ``pass_key`` names the forward/backward pass a configuration runs: ``measure`` measures one
 per precision and attention kernel, and ``predict`` reads its lines under that name.
 """
 
@@ -26,6 +26,8 @@ class Config:
     fused: bool = False     # every CausalSelfAttention runs F.scaled_dot_product_attention (chapter 10), else op by op
     offload: bool = False   # what the blocks save waits in host memory until the backward pass (chapter 10)
     loss_chunks: int = 1    # the loss over the vocabulary in this many token chunks (chapter 10); 1 = whole
+    cp: int = 1             # context-parallel ranks sharing each sequence: ring attention (chapter 11)
+    ep: int = 1             # expert-parallel ranks sharing a mixture of experts' experts (chapter 11)
 
     def __post_init__(self) -> None:
         if self.loss_chunks < 1:
@@ -36,6 +38,13 @@ class Config:
         if self.tp > 1 and (self.fused or self.offload or self.loss_chunks > 1):
             raise ValueError("the course's tensor-parallel block (chapter 09) runs op-by-op attention, the whole "
                              "loss and no offload: use fused, offload and loss_chunks with tp = 1")
+
+        if self.cp < 1 or self.ep < 1:
+            raise ValueError(f"cp and ep must be >= 1, got {self.cp} and {self.ep}")
+        if self.cp > 1 and (not self.fused or self.tp > 1 or self.segments > 1 or self.offload
+                            or self.loss_chunks > 1):
+            raise ValueError("the course's ring attention (chapter 11) saves what the fused kernel saves: plan cp > 1 "
+                             "with fused=True, and without tensor parallelism, checkpointing, offload or loss chunks")
 
     @property
     def pass_key(self) -> str:
@@ -49,6 +58,10 @@ class Config:
         if self.tp > 1:
             text += f", tensor parallel over {self.tp}"
             text += " with sequence parallelism" if self.sequence_parallel else ""
+        if self.cp > 1:
+            text += f", context parallel over {self.cp} (ring attention)"
+        if self.ep > 1:
+            text += f", experts over {self.ep} ranks"
         return ", ".join([text, *self.memory_options()])
 
     def memory_options(self) -> list[str]:

@@ -9,7 +9,9 @@ loss are chapter 10's formulas on top of a measured pass (``offload.predict_offl
 ``chunked_loss.predict_loss_peak``). Time is relative, since timings on a busy machine are noisy:
 ``A (alpha + beta m)(1 + recompute + extra head) + update + communication / bandwidth + offload traffic / host
 bandwidth``, with data parallelism's traffic (chapters 06 and 08) at an inter-node bandwidth and tensor
-parallelism's per-layer collectives at an intra-node one.
+parallelism's per-layer collectives at an intra-node one. Context parallelism over ``c`` ranks (chapter 11) keeps
+``1/c`` of every sequence's activations on a rank and the states whole (ZeRO may shard them over all the
+``world / t`` ranks); its ring's key/value blocks travel at the intra-node bandwidth.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import math
 
 from course_lib import chunked_loss, offload
 from course_lib.checkpointing import recomputed_blocks, segment_plan
-from course_lib.distributed import tp_costs
+from course_lib.distributed import context_parallel, tp_costs
 from course_lib.distributed.zero import zero_bytes_per_rank
 from course_lib.planner.config import Config
 from course_lib.planner.measure import Measurements
@@ -101,6 +103,8 @@ def predict_peak(meas: Measurements, config: Config, world_size: int = 1) -> dic
     c, slope = _measured(meas, "fb", config)
     _, per_sample, boundary = block_saves(meas, config)
     fb = c + slope * m - n * (_measured(meas, "block", config)[1] - per_sample) * m  # TP: the blocks keep less
+    if config.cp > 1:  # every per-sample byte is per position: T/c of them here (an upper estimate of the ring's
+        fb = c + (fb - c) / config.cp + cp_in_flight_bytes(meas, config, world_size)  # n x n scores: 1/c²)
     if k > 1:  # keep k-1 segment inputs; rebuild one segment (at most ceil(n/k) blocks) at a time
         # Only the per-sample part of a block's saves goes: the constant part is bf16 weight copies (and
         # buffers), which autocast's cache keeps to the end of the forward pass, checkpointed or not.
@@ -121,12 +125,37 @@ def predict_peak(meas: Measurements, config: Config, world_size: int = 1) -> dic
     elif N > 1 and s == 3:  # FSDP2: one block gathered, the next prefetched, one block's gradient (and gloo's copy)
         in_flight = meas.unit_bytes * block_share * (3 + meas.gloo)
     opt_tmp = meas.optimizer_tmp_bytes * share / (N if s >= 1 else 1)  # the update runs on this rank's shard
-    parts = dict(**states, batch=meas.batch_bytes_per_sample * m * config.accumulation_steps,
+    parts = dict(**states, batch=meas.batch_bytes_per_sample * m * config.accumulation_steps / config.cp,
                  transient=max(fb + in_flight, opt_tmp))
     out: dict = {key: int(math.ceil(v)) for key, v in parts.items()}
     out["total"] = sum(out.values())
     out["where"] = "forward/backward" if fb + in_flight >= opt_tmp else "optimizer step"
     return out
+
+
+def cp_in_flight_bytes(meas: Measurements, config: Config, world_size: int) -> float:
+    """What the ring holds in flight on a rank: the backward's K, V, dK, dV travelling and the next four arriving
+    (chapter 11), ``8 m (T/c) h`` activations; an error unless ``2c`` divides ``T`` and ``t c`` the ranks."""
+    layers = meas.layers
+    if layers is None:
+        raise ValueError("context parallelism needs transformer blocks (the planner found none to split)")
+    if world_size % (config.cp * config.tp):
+        raise ValueError(f"context-parallel size {config.cp} x tensor-parallel {config.tp} does not divide the "
+                         f"{world_size} ranks")
+    context_parallel.check_layout(layers.seq_len, config.cp)
+    act = 2 if config.precision == "bf16" else 4
+    return 8 * config.micro_batch * layers.seq_len / config.cp * layers.width * act
+
+
+def cp_comm_bytes(meas: Measurements, config: Config) -> float:
+    """Bytes one rank sends per optimizer step around the ring (chapter 11): ``context_parallel.ring_bytes_per_layer``
+    per block and micro-batch. Not included: the gradients' sum over the ranks, data parallelism's (``comm_bytes``)."""
+    if config.cp == 1:
+        return 0.0
+    layers, act = meas.layers, 2 if config.precision == "bf16" else 4
+    per_block = context_parallel.ring_bytes_per_layer(layers.seq_len, config.micro_batch, layers.width, config.cp,
+                                                      act_bytes=act)
+    return config.accumulation_steps * meas.n_blocks * sum(per_block.values())
 
 
 def comm_bytes(param_bytes: int, config: Config, world_size: int) -> float:
@@ -183,7 +212,9 @@ def predict_step_time(meas: Measurements, config: Config, world_size: int = 1,
     if config.segments > 1:
         recompute = FORWARD_SHARE * blocks / work * recomputed_blocks(meas.n_blocks, config.segments) / meas.n_blocks
     head = FORWARD_SHARE * meas.head_flop_share / work if config.loss_chunks > 1 else 0.0  # one more forward
-    compute = config.accumulation_steps * (alpha + beta * config.micro_batch * work) * (1 + recompute + head)
+    compute = (config.accumulation_steps * (alpha + beta * config.micro_batch * work / config.cp)
+               * (1 + recompute + head))  # a context-parallel rank runs 1/c of every sequence
     update = meas.optimizer_s * share / (dp if config.zero_stage >= 1 else 1)
     return (compute + update + comm_bytes(meas.param_bytes * share, config, dp) / bandwidth
-            + tp_comm_bytes(meas, config) / tp_bandwidth + offload_bytes(meas, config) / host_bandwidth)
+            + (tp_comm_bytes(meas, config) + cp_comm_bytes(meas, config)) / tp_bandwidth
+            + offload_bytes(meas, config) / host_bandwidth)

@@ -1,0 +1,280 @@
+"""Context parallelism: ring attention over ranks that each hold a slice of the sequence (chapter 11).
+
+Each of ``c`` ranks holds ``T/c`` of the sequence's positions: its queries,
+keys and values. Everything in a transformer layer but attention works on
+positions independently, so only attention needs the others' keys and
+values. Ring attention (Liu et al. 2023, "Ring Attention with Blockwise
+Transformers for Near-Infinite Context") passes the key/value blocks around a
+ring of ranks, ``c - 1`` hops, and each rank merges the partial results of
+its queries against each block with the online softmax of chapter 10: a
+partial result is an output ``o`` (already normalised) and one log-sum-exp
+``L`` per query row, and two merge as softmax-weighted averages (``merge``).
+The backward pass (FlashAttention's, Dao et al. 2022) rebuilds each block's
+probabilities from ``q``, ``k`` and the final ``L``; the key/value blocks go
+around the ring again, together with the gradient accumulators ``dK, dV``,
+which take one more hop to come home.
+
+Causal masking makes a plain split unfair: rank ``r``'s queries see the keys
+of ranks ``0..r`` only, so the last rank computes about ``2c - 1`` times what
+the first does. The zigzag layout cuts the sequence into ``2c`` chunks and
+gives rank ``r`` chunks ``r`` and ``2c-1-r``: an early and a late chunk, the
+same work on every rank (Brandon et al. 2023, "Striped Attention"; torch's
+``context_parallel`` does the same by default).
+
+Bytes each rank sends per layer, elements of ``b (T/c) h`` each: the forward
+sends K and V ``c - 1`` times; the backward sends K, V ``c - 1`` times and
+dK, dV ``c`` times: ``2(c-1)/c`` and ``(4c-2)/c`` times ``T b h`` elements.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from course_lib.distributed.comm import ByteCounter, Message, exchange, nbytes
+
+LAYOUTS = ("plain", "zigzag")
+
+
+def check_layout(T: int, c: int, layout: str = "zigzag") -> None:
+    """Raise a clear ``ValueError`` unless ``T`` positions can be laid out over ``c`` ranks as ``layout``.
+
+    Both layouts cut the sequence into ``2c`` equal chunks (the zigzag needs
+    them; the plain split uses the same chunks, so the two compare tile for tile).
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    if not isinstance(c, int) or c < 1:
+        raise ValueError(f"the context-parallel size must be a positive int, got {c!r}")
+    if not isinstance(T, int) or T < 1 or T % (2 * c):
+        raise ValueError(f"sequence length {T!r} is not divisible by 2c = {2 * c}: each of the {c} ranks holds two "
+                         f"chunks of T/(2c) positions; pad the sequence to a multiple of {2 * c} or choose another c")
+
+
+def positions(T: int, c: int, rank: int, layout: str = "zigzag") -> torch.Tensor:
+    """The global positions rank ``rank`` holds, in order: ``T/c`` contiguous ones (``plain``), or chunks
+    ``rank`` and ``2c-1-rank`` of ``T/(2c)`` each (``zigzag``)."""
+    check_layout(T, c, layout)
+    if not 0 <= rank < c:
+        raise ValueError(f"rank {rank} is not in 0..{c - 1}")
+    n, m = T // c, T // (2 * c)
+    if layout == "plain":
+        return torch.arange(rank * n, (rank + 1) * n)
+    return torch.cat([torch.arange(rank * m, (rank + 1) * m), torch.arange((2 * c - 1 - rank) * m, (2 * c - rank) * m)])
+
+
+def shard(x: torch.Tensor, c: int, rank: int, layout: str = "zigzag", dim: int = 1) -> torch.Tensor:
+    """Rank ``rank``'s positions of ``x`` along ``dim`` (the sequence dimension)."""
+    return x.index_select(dim, positions(x.shape[dim], c, rank, layout).to(x.device))
+
+
+def unshard(parts: list[torch.Tensor], layout: str = "zigzag", dim: int = 1) -> torch.Tensor:
+    """The whole tensor from every rank's part, in rank order (the inverse of ``shard``)."""
+    c = len(parts)
+    T = parts[0].shape[dim] * c
+    out = torch.empty(*parts[0].shape[:dim], T, *parts[0].shape[dim + 1:], dtype=parts[0].dtype,
+                      device=parts[0].device)
+    for r, p in enumerate(parts):
+        out.index_copy_(dim, positions(T, c, r, layout).to(p.device), p)
+    return out
+
+
+def causal_pairs(T: int, c: int, layout: str = "zigzag") -> list[int]:
+    """Query-key pairs each rank's queries attend to under the causal mask: the position p sees p + 1 keys."""
+    return [int((positions(T, c, r, layout) + 1).sum()) for r in range(c)]
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    # a row that saw no key has L = -inf; subtracting it would give nan, and its probabilities are 0 anyway
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two partial attention results of the same queries over disjoint key sets, as one: the online softmax.
+
+    ``o_i`` is softmax-weighted over its keys, ``L_i`` the log of its sum of
+    exponentials; the merged result weights each by ``exp(L_i - L)`` with
+    ``L = log(exp L_1 + exp L_2)``, computed against the running maximum so no
+    exponential overflows. A row that saw no key (``L = -inf``) weighs nothing.
+    """
+    m = _finite(torch.maximum(lse1, lse2))
+    w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
+    total = w1 + w2
+    lse = m + torch.log(total)  # log 0 = -inf: still no key seen
+    o = (o1 * w1 + o2 * w2) / torch.where(total == 0, torch.ones_like(total), total)
+    return o, lse
+
+
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    return k_pos[None, :] <= q_pos[:, None]  # (queries, keys): causal, by global position
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Causal attention of queries (``.., n_q, d``) at ``q_pos`` over keys at ``k_pos``: ``(o, L, pairs)``.
+
+    ``o`` normalised over these keys only, ``L`` the row's log-sum-exp (``-inf``
+    where no key is visible), ``pairs`` the visible query-key pairs (the work).
+    A block no query can see is skipped, as tiled kernels skip masked tiles.
+    """
+    vis = _visible(q_pos, k_pos).to(q.device)
+    pairs = int(vis.sum())
+    if pairs == 0:
+        return torch.zeros_like(q), torch.full((*q.shape[:-1], 1), -math.inf, dtype=q.dtype, device=q.device), 0
+    s = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(~vis, -math.inf)
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    return torch.exp(s - _finite(lse)) @ v, lse, pairs
+
+
+def block_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
+                             delta: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This block's terms of ``dq, dk, dv``, given the *final* ``L`` and ``delta = rowsum(dO * O)``.
+
+    With ``P = exp(S - L)`` the block's share of the full softmax:
+    ``dV = P^T dO``, ``dS = P * (dO V^T - delta)``, ``dQ = dS K / sqrt(d)``, ``dK = dS^T Q / sqrt(d)``.
+    """
+    vis = _visible(q_pos, k_pos).to(q.device)
+    if not vis.any():
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    s = ((q @ k.transpose(-2, -1)) * scale).masked_fill(~vis, -math.inf)
+    p = torch.exp(s - _finite(lse))
+    ds = p * (do @ v.transpose(-2, -1) - delta)
+    return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, p.transpose(-2, -1) @ do
+
+
+@dataclass
+class Ring:
+    """The ring one rank is in: ``world`` ranks of ``group`` laid out as ``layout`` over ``T`` positions.
+
+    ``counter`` counts the bytes this rank sends (``ring_kv`` forward,
+    ``ring_kv_grad`` backward); ``pairs`` collects the query-key pairs each
+    forward computed (the causal work). ``Ring.of(T)`` joins the default group;
+    ``Ring(T, world=1)`` is one process, for references.
+    """
+
+    T: int
+    layout: str = "zigzag"
+    world: int = 1
+    rank: int = 0
+    group: dist.ProcessGroup | None = None
+    counter: ByteCounter = field(default_factory=ByteCounter)
+    pairs: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        check_layout(self.T, self.world, self.layout)
+
+    @classmethod
+    def of(cls, T: int, layout: str = "zigzag", group: dist.ProcessGroup | None = None) -> "Ring":
+        return cls(T, layout, dist.get_world_size(group), dist.get_rank(group), group)
+
+    def positions(self, rank: int | None = None) -> torch.Tensor:
+        return positions(self.T, self.world, (self.rank if rank is None else rank) % self.world, self.layout)
+
+    def _peer(self, r: int) -> int:
+        r %= self.world
+        return r if self.group is None else dist.get_global_rank(self.group, r)
+
+    def pass_on(self, t: torch.Tensor, op: str):
+        """Post: send ``t`` to the right neighbour, receive the left's; return (the exchange, the buffer)."""
+        buf = torch.empty_like(t)
+        self.counter.add(op, nbytes(t))
+        return exchange([Message(t, self._peer(self.rank + 1))], [Message(buf, self._peer(self.rank - 1))],
+                        self.group), buf
+
+
+class _RingAttention(torch.autograd.Function):
+    """Causal attention over the ring: forward merges c partial results, backward sends dK, dV home."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:
+        my_pos = ring.positions()
+        kv = torch.stack([k, v])  # one message per hop
+        o = lse = None
+        pairs = 0
+        for step in range(ring.world):
+            pending = None
+            if step < ring.world - 1:  # post the next block's transfer first: it travels while this one computes
+                pending, incoming = ring.pass_on(kv, "ring_kv")
+            ob, lb, n = block_attention(q, kv[0], kv[1], my_pos, ring.positions(ring.rank - step))
+            pairs += n
+            o, lse = (ob, lb) if o is None else merge(o, lse, ob, lb)
+            if pending is not None:
+                pending.wait()
+                kv = incoming
+        ring.pairs.append(pairs)
+        ctx.ring = ring
+        ctx.save_for_backward(q, k, v, o, lse)  # all T/c long: no (T, T) matrix is kept
+        return o
+
+    @staticmethod
+    def backward(ctx, do: torch.Tensor):
+        q, k, v, o, lse = ctx.saved_tensors
+        ring: Ring = ctx.ring
+        my_pos = ring.positions()
+        delta = (do * o).sum(dim=-1, keepdim=True)
+        dq = torch.zeros_like(q)
+        travel = torch.stack([k, v, torch.zeros_like(k), torch.zeros_like(v)])  # K, V and their gradient sums
+        for step in range(ring.world):
+            dqb, dkb, dvb = block_attention_backward(q, travel[0], travel[1], do, lse, delta, my_pos,
+                                                     ring.positions(ring.rank - step))
+            dq += dqb
+            travel[2] += dkb
+            travel[3] += dvb
+            if step < ring.world - 1:
+                pending, travel = ring.pass_on(travel, "ring_kv_grad")
+                pending.wait()
+        if ring.world == 1:
+            return dq, travel[2], travel[3], None
+        # after c - 1 hops this rank holds the right neighbour's dK, dV: one more hop takes them home
+        pending, home = ring.pass_on(travel[2:].contiguous(), "ring_kv_grad")
+        pending.wait()
+        return dq, home[0], home[1], None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:
+    """Causal attention of this rank's ``q`` (``B, H, T/c, d``) over every rank's keys and values."""
+    n = ring.T // ring.world
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.shape[-2] != n:
+            raise ValueError(f"{name} has {t.shape[-2]} positions; each of {ring.world} ranks holds T/c = {n}")
+    return _RingAttention.apply(q, k, v, ring)
+
+
+def attention_forward(attn: nn.Module, x: torch.Tensor, ring: Ring) -> torch.Tensor:
+    """``models.CausalSelfAttention``'s computation on this rank's positions, attention over the ring."""
+    B, n, C = x.shape
+    H = attn.n_heads
+    q, k, v = (t.view(B, n, H, C // H).transpose(1, 2).contiguous() for t in attn.qkv(x).split(C, dim=2))
+    y = ring_attention(q, k, v, ring)
+    return attn.proj(y.transpose(1, 2).reshape(B, n, C))
+
+
+def model_forward(model: nn.Module, idx: torch.Tensor, ring: Ring) -> torch.Tensor:
+    """A ``models.TinyTransformer``'s logits for this rank's tokens ``idx`` (``B, T/c``), its own weights.
+
+    Every layer but attention is position-wise: the rank's tokens, with their
+    global positions' embeddings, go through the same modules as in one process.
+    """
+    pos = ring.positions().to(idx.device)
+    x = model.embed.tok(idx) + model.embed.pos(pos)
+    for block in model.blocks:
+        x = x + attention_forward(block.attn, block.ln1(x), ring)
+        x = x + block.mlp(block.ln2(x))
+    return model.head(x)
+
+
+def ring_bytes_per_layer(T: int, b: int, h: int, c: int, act_bytes: int = 4) -> dict[str, float]:
+    """Bytes one rank sends per attention layer: K, V ``c - 1`` hops forward; K, V ``c - 1`` and dK, dV ``c`` hops
+    backward; each hop a ``(b, T/c, h)`` tensor per matrix."""
+    block = T / c * b * h * act_bytes
+    if c == 1:
+        return {"forward": 0.0, "backward": 0.0}
+    return {"forward": 2 * (c - 1) * block, "backward": (2 * (c - 1) + 2 * c) * block}

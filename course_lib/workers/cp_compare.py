@@ -1,0 +1,266 @@
+"""Chapter 11's context-parallel experiment: ring attention over the launch's ranks, against one process.
+
+    torchrun --nproc-per-node 4 -m course_lib.workers.cp_compare --tasks exact,saved,train,api
+
+Tasks (``--tasks``, in this order, in one launch):
+
+- ``exact``: for each layout (plain, zigzag), in float64: ring attention of
+  random ``q, k, v`` (output and the three gradients, every rank's part
+  gathered) and the tiny transformer's loss and parameter gradients (summed
+  over the ranks), against one process; the query-key pairs each rank
+  computed; in float32, the bytes each rank sends per layer (forward, backward);
+- ``saved``: the bytes one block saves for the backward on each rank, against
+  the same code in one process and the course's block (naive and fused attention);
+- ``train``: ``--steps`` Adam steps of the whole model in float32 (zigzag),
+  losses against one process, seconds per step, bytes sent per step, the peak and the states per rank;
+- ``api``: torch's ``context_parallel`` on the same model with fused
+  attention: losses and gradients against one process, or the error it raises.
+
+Every rank builds the same model and batch from the same seed; the
+single-process reference runs on every rank (it is small).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from course_lib import memory
+from course_lib.distributed import context_parallel as cp
+from course_lib.distributed import launch
+from course_lib.distributed.results import WorkerResult
+from course_lib.env import seed_everything
+from course_lib.models import TransformerBlock, lm_loss
+from course_lib.workers.zero_common import RunConfig, build_model, gather_per_rank, global_batch
+
+TASKS = ("exact", "saved", "train", "api")
+
+
+@dataclass
+class LayoutResult(WorkerResult):
+    """One layout's checks; lists hold one entry per rank."""
+
+    layout: str
+    attn_out_diff: float         # float64, max |ring - one process| of the output
+    attn_grad_diff: float        # ... of dq, dk, dv
+    loss_diff: float             # float64 model: the loss
+    grad_diff: float             # ... every parameter's gradient, summed over ranks
+    pairs: list[int]             # query-key pairs each rank's forward computed (one attention)
+    blocks: list[int]            # key/value blocks each rank computed (masked-out blocks skipped)
+    sent_forward: float          # bytes rank 0 sent per layer, float32 model
+    sent_backward: float
+    calls: dict[str, int]        # messages rank 0 sent per layer
+
+
+@dataclass
+class CPReport(WorkerResult):
+    world: int
+    seq_len: int
+    layouts: list[LayoutResult] = field(default_factory=list)
+    saved: dict[str, list[int]] = field(default_factory=dict)  # per rank: cp; one value: one_process, naive, fused
+    train: dict = field(default_factory=dict)
+    api: dict = field(default_factory=dict)
+
+    def layout(self, name: str) -> LayoutResult:
+        return next(r for r in self.layouts if r.layout == name)
+
+
+def _gathered(t: torch.Tensor, layout: str, dim: int) -> torch.Tensor:
+    return cp.unshard([p.cpu() for p in gather_per_rank(t.detach().cpu())], layout, dim)
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double().cpu() - b.double().cpu()).abs().max().item()
+
+
+def cp_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, ring: cp.Ring) -> torch.Tensor:
+    """This rank's share of the mean next-token loss: the sum over its tokens / all tokens of the batch."""
+    logits = cp.model_forward(model, cp.shard(x, ring.world, ring.rank, ring.layout), ring)
+    local_y = cp.shard(y, ring.world, ring.rank, ring.layout)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), local_y.reshape(-1), reduction="sum") / y.numel()
+
+
+def sum_grads(model: torch.nn.Module) -> None:
+    """Sum every parameter's gradient over the ranks: each rank's tokens gave one term (uncounted here)."""
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+
+
+def exact_task(cfg: RunConfig, layout: str, device: torch.device) -> LayoutResult:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    T, C, H = cfg.seq_len, cfg.d_model, cfg.n_heads
+    # attention alone, float64
+    g = torch.Generator().manual_seed(cfg.seed)
+    q, k, v, grad_out = (torch.randn(cfg.batch, H, T, C // H, generator=g, dtype=torch.float64) for _ in range(4))
+    ref_q, ref_k, ref_v = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(ref_q, ref_k, ref_v, is_causal=True)
+    ref.backward(grad_out)
+    ring = cp.Ring.of(T, layout)
+    local = [cp.shard(t, world, rank, layout, dim=2).to(device).requires_grad_() for t in (q, k, v)]
+    out = cp.ring_attention(*local, ring)
+    out.backward(cp.shard(grad_out, world, rank, layout, dim=2).to(device))
+    attn_out = _diff(_gathered(out, layout, 2), ref)
+    attn_grad = max(_diff(_gathered(t.grad, layout, 2), r.grad) for t, r in zip(local, (ref_q, ref_k, ref_v)))
+    pairs = gather_per_rank(ring.pairs[0])
+    blocks = gather_per_rank(sum(int(cp.positions(T, world, rank, layout).max() >= cp.positions(T, world, j, layout).min())
+                                 for j in range(world)))
+    # the whole model, float64
+    c64 = dataclasses.replace(cfg, dtype="float64")
+    x, y = global_batch(c64, 0)
+    one = build_model(c64)
+    ref_loss = lm_loss(one(x), y)
+    ref_loss.backward()
+    model = build_model(c64, device)
+    loss = cp_loss(model, x.to(device), y.to(device), cp.Ring.of(T, layout))
+    loss.backward()
+    sum_grads(model)
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    grad_diff = max(_diff(p.grad, r.grad) for p, r in zip(model.parameters(), one.parameters()))
+    # bytes per layer, float32
+    model32 = build_model(cfg, device)
+    ring32 = cp.Ring.of(T, layout)
+    cp_loss(model32, x.to(device), y.to(device), ring32).backward()
+    by_op, calls = ring32.counter.by_op, ring32.counter.calls
+    return LayoutResult(layout, attn_out, attn_grad, abs(total.item() - ref_loss.item()), grad_diff, pairs, blocks,
+                        by_op.get("ring_kv", 0.0) / cfg.n_layers, by_op.get("ring_kv_grad", 0.0) / cfg.n_layers,
+                        {op: n // cfg.n_layers for op, n in calls.items()})
+
+
+def saved_task(cfg: RunConfig, device: torch.device) -> dict[str, list[int]]:
+    """Bytes one block saves: on each rank under CP, and in one process (same code; the course's block)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    block = build_model(cfg, device).blocks[0]
+    params = list(block.parameters())
+    x = torch.randn(cfg.batch, cfg.seq_len, cfg.d_model, device=device, requires_grad=True)
+
+    def cp_block(x_local: torch.Tensor, ring: cp.Ring) -> torch.Tensor:
+        h = x_local + cp.attention_forward(block.attn, block.ln1(x_local), ring)
+        return h + block.mlp(block.ln2(h))
+
+    local = cp.shard(x.detach(), world, rank, "zigzag").requires_grad_()
+    ring = cp.Ring.of(cfg.seq_len)
+    # the block's input counts: in a model it is the previous block's output, kept for this block's backward
+    per_rank = gather_per_rank(memory.saved_activation_bytes(lambda: cp_block(local, ring), exclude=params))
+    one = memory.saved_activation_bytes(lambda: cp_block(x, cp.Ring(cfg.seq_len)), exclude=params)
+    naive = memory.saved_activation_bytes(lambda: block(x), exclude=params)
+    fused = TransformerBlock(cfg.d_model, cfg.n_heads, cfg.seq_len, fused=True).to(device)
+    fused.load_state_dict(block.state_dict())
+    fused_bytes = memory.saved_activation_bytes(lambda: fused(x), exclude=list(fused.parameters()))
+    return {"cp": per_rank, "one_process": [one], "naive": [naive], "fused": [fused_bytes]}
+
+
+def train_task(cfg: RunConfig, device: torch.device) -> dict:
+    """Adam steps of the whole model with CP (zigzag) against one process: losses, time, bytes, peak."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    one = build_model(cfg)
+    opt_one = torch.optim.Adam(one.parameters(), lr=cfg.lr)
+    model = build_model(cfg, device)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    ring = cp.Ring.of(cfg.seq_len)
+    ref_losses, losses, seconds = [], [], []
+    for step in range(cfg.steps):
+        x, y = global_batch(cfg, step)
+        opt_one.zero_grad()
+        loss = lm_loss(one(x), y)
+        loss.backward()
+        opt_one.step()
+        ref_losses.append(loss.item())
+        dist.barrier()
+        t0 = time.perf_counter()
+
+        parts: list[torch.Tensor] = []
+
+        def cp_step() -> None:
+            opt.zero_grad()
+            part = cp_loss(model, x.to(device), y.to(device), ring)
+            part.backward()
+            sum_grads(model)
+            opt.step()
+            parts.append(part.detach())
+
+        if step == cfg.steps - 1:  # the last step under the peak meter (warm: Adam's state exists)
+            peak = memory.peak_bytes(cp_step, device)
+        else:
+            cp_step()
+        seconds.append(time.perf_counter() - t0)
+        total = parts[0].clone()
+        dist.all_reduce(total)
+        losses.append(total.item())
+    sent_per_step = ring.counter.bytes / cfg.steps
+    held = {"params": memory.param_bytes(model), "grads": memory.grad_bytes(model),
+            "optimizer": memory.optimizer_state_bytes(opt)}
+    return {"ref_losses": ref_losses, "losses": losses, "seconds": gather_per_rank(seconds),
+            "sent_per_step": sent_per_step, "peak": gather_per_rank(peak), "held": gather_per_rank(held)}
+
+
+def api_task(cfg: RunConfig, device: torch.device) -> dict:
+    """torch's ``context_parallel`` on the model with fused attention: losses and gradients, or its error."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    world = dist.get_world_size()
+    x, y = global_batch(cfg, 0)
+    fcfg = dict(vocab=cfg.vocab, d_model=cfg.d_model, n_heads=cfg.n_heads, n_layers=cfg.n_layers, max_len=cfg.seq_len)
+    seed_everything(cfg.seed)
+    one = build_model(cfg)
+    ref = lm_loss(one(x), y)
+    ref.backward()
+    model = build_model(cfg, device)
+    for blk in model.blocks:
+        blk.attn.fused = True  # F.scaled_dot_product_attention: what context_parallel replaces
+    mesh = init_device_mesh(device.type, (world,))
+    idx, tgt = x.to(device), y.to(device)
+    pos = torch.arange(cfg.seq_len, device=device).expand_as(idx).contiguous()
+    try:
+        with context_parallel(mesh, buffers=[idx, tgt, pos], buffer_seq_dims=[1, 1, 1]):
+            h = model.embed.tok(idx) + model.embed.pos(pos)  # pos: this rank's global positions
+            logits = model.head(model.blocks(h))
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="sum") / y.numel()
+            loss.backward()
+    except Exception as exc:  # noqa: BLE001 - the point is to report what this torch does on this backend
+        return {"ran": False, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}", "backend": dist.get_backend()}
+    sum_grads(model)
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    grad = max(_diff(p.grad, r.grad) for p, r in zip(model.parameters(), one.parameters()))
+    return {"ran": True, "loss_diff": abs(total.item() - ref.item()), "grad_diff": grad, "backend": dist.get_backend(),
+            "positions_rank0": pos[0].tolist()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated: {', '.join(TASKS)}")
+    parser.add_argument("--cfg", default=RunConfig().to_json(), help="RunConfig as JSON (seq_len: the whole sequence)")
+    launch.add_timeout_arg(parser)
+    a = parser.parse_args()
+    cfg = RunConfig.from_json(a.cfg)
+    tasks = [t for t in a.tasks.split(",") if t]
+    unknown = set(tasks) - set(TASKS)
+    if unknown:
+        raise ValueError(f"unknown task(s) {sorted(unknown)}; choose from {', '.join(TASKS)}")
+    rank, world, device = launch.init_distributed(a.pg_timeout)
+    cp.check_layout(cfg.seq_len, world)  # a clear error on every rank before any message
+    seed_everything(cfg.seed)
+    report = CPReport(world=world, seq_len=cfg.seq_len)
+    if "exact" in tasks:
+        report.layouts = [exact_task(cfg, layout, device) for layout in cp.LAYOUTS]
+    if "saved" in tasks:
+        report.saved = saved_task(cfg, device)
+    if "train" in tasks:
+        report.train = train_task(cfg, device)
+    if "api" in tasks:
+        report.api = api_task(cfg, device)
+    launch.report(report)
+    launch.shutdown()
+
+
+if __name__ == "__main__":
+    main()

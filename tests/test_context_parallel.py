@@ -1,0 +1,201 @@
+"""Chapter 11's context parallelism: the pieces in one process, then ring attention on 2 and 4 gloo ranks.
+
+The one-process tests check the layouts, the online-softmax merge and the
+blockwise backward against plain attention; the launches check the ring
+against one process in float64 (outputs, gradients, the whole model's loss
+and gradients), the work per rank, the bytes per layer against the formula
+and the saved activations per rank.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from course_lib.distributed import context_parallel as cp
+from course_lib.distributed import launch
+from course_lib.workers.cp_compare import CPReport
+from course_lib.workers.zero_common import RunConfig
+
+CFG = RunConfig(vocab=40, d_model=32, n_heads=4, n_layers=2, seq_len=16, batch=2, steps=3)
+
+
+# ----- one process ---------------------------------------------------------------------------
+
+
+def test_layouts_cover_the_sequence_once() -> None:
+    for layout in cp.LAYOUTS:
+        for c in (1, 2, 4):
+            got = torch.cat([cp.positions(16, c, r, layout) for r in range(c)])
+            assert sorted(got.tolist()) == list(range(16))
+    assert cp.positions(16, 4, 1, "zigzag").tolist() == [2, 3, 12, 13]  # chunks 1 and 2c-1-1 = 6
+    assert cp.positions(16, 4, 1, "plain").tolist() == [4, 5, 6, 7]
+    x = torch.randn(3, 16, 5)
+    parts = [cp.shard(x, 4, r, "zigzag") for r in range(4)]
+    assert torch.equal(cp.unshard(parts, "zigzag"), x)
+
+
+def test_bad_input_says_what_to_do() -> None:
+    with pytest.raises(ValueError, match=r"not divisible by 2c = 8.*pad the sequence"):
+        cp.positions(12, 4, 0)
+    with pytest.raises(ValueError, match="unknown layout"):
+        cp.check_layout(16, 2, "striped")
+    with pytest.raises(ValueError, match="positive int"):
+        cp.check_layout(16, 0)
+    with pytest.raises(ValueError, match="T/c = 4"):
+        cp.ring_attention(*(torch.randn(1, 1, 8, 2) for _ in range(3)), cp.Ring(16, world=4, rank=0))
+
+
+def test_causal_work_per_rank() -> None:
+    c, T = 4, 64
+    n = T // c
+    plain = cp.causal_pairs(T, c, "plain")
+    assert plain[0] == n * (n + 1) // 2 and plain[-1] == (c - 1) * n * n + n * (n + 1) // 2
+    assert plain[-1] / plain[0] == pytest.approx(((2 * c - 1) * n + 1) / (n + 1))  # -> 2c - 1 as n grows
+    assert len(set(cp.causal_pairs(T, c, "zigzag"))) == 1
+    assert sum(cp.causal_pairs(T, c, "zigzag")) == T * (T + 1) // 2
+
+
+def _reference(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_merge_is_the_softmax_over_both_key_sets() -> None:
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 6, 4, dtype=torch.float64) for _ in range(3))
+    pos = torch.arange(6)
+    full = _reference(q, k, v)
+    # keys 0-2 and 3-5 as two partial results of the same queries; scores in the hundreds must not overflow
+    a = cp.block_attention(q, k[..., :3, :], v[..., :3, :], pos, pos[:3])
+    b = cp.block_attention(q, k[..., 3:, :], v[..., 3:, :], pos, pos[3:])
+    o, lse = cp.merge(a[0], a[1], b[0], b[1])
+    assert torch.allclose(o, full, atol=1e-14, rtol=0)
+    assert torch.isinf(b[1][..., :3, :]).all(), "rows 0-2 see none of keys 3-5"
+    o2, _ = cp.merge(b[0], b[1], a[0], a[1])
+    assert torch.allclose(o2, full, atol=1e-14, rtol=0), "the merge is symmetric"
+    loud = cp.merge(a[0], a[1] + 800.0, b[0], b[1] + 800.0)[0]
+    assert torch.isfinite(loud).all() and torch.allclose(loud, full, atol=1e-12, rtol=0)
+    empty = torch.full_like(a[1], -math.inf)
+    assert torch.equal(cp.merge(torch.zeros_like(q), empty, torch.zeros_like(q), empty)[0], torch.zeros_like(q))
+
+
+def test_blockwise_backward_equals_autograd() -> None:
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 8, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    grad = torch.randn(1, 2, 8, 4, dtype=torch.float64)
+    out = _reference(q, k, v)
+    out.backward(grad)
+    pos = torch.arange(8)
+    o, lse, pairs = cp.block_attention(q.detach(), k.detach(), v.detach(), pos, pos)
+    assert pairs == 8 * 9 // 2
+    delta = (grad * o).sum(-1, keepdim=True)
+    parts = [cp.block_attention_backward(q.detach(), k.detach()[..., s, :], v.detach()[..., s, :], grad, lse, delta,
+                                         pos, pos[s]) for s in (slice(0, 4), slice(4, 8))]
+    dq = parts[0][0] + parts[1][0]
+    dk, dv = torch.cat([parts[0][1], parts[1][1]], -2), torch.cat([parts[0][2], parts[1][2]], -2)
+    for got, want in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
+        assert torch.allclose(got, want, atol=1e-13, rtol=0)
+
+
+def test_one_rank_ring_is_plain_attention() -> None:
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(2, 2, 8, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    ring = cp.Ring(8)
+    out = cp.ring_attention(q, k, v, ring)
+    assert torch.allclose(out, _reference(q, k, v), atol=1e-14, rtol=0)
+    assert ring.pairs == [36] and ring.counter.bytes == 0
+
+
+def test_bytes_formula() -> None:
+    T, b, h = 32, 2, 16
+    for c in (2, 4):
+        got = cp.ring_bytes_per_layer(T, b, h, c, act_bytes=4)
+        assert got["forward"] == pytest.approx(2 * (c - 1) / c * T * b * h * 4)
+        assert got["backward"] == pytest.approx((4 * c - 2) / c * T * b * h * 4)
+    assert cp.ring_bytes_per_layer(T, b, h, 1) == {"forward": 0.0, "backward": 0.0}
+
+
+# ----- 2 and 4 ranks -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def rep(request) -> CPReport:
+    out = launch.run("course_lib.workers.cp_compare", request.param,
+                     ["--tasks", "exact,saved,train,api", "--cfg", CFG.to_json(), "--pg-timeout", "120"], timeout=300)
+    return CPReport.from_dict(out)
+
+
+@pytest.mark.slow
+def test_ring_equals_one_process_in_float64(rep: CPReport) -> None:
+    for r in rep.layouts:
+        assert r.attn_out_diff < 1e-13 and r.attn_grad_diff < 1e-13, r
+        assert r.loss_diff < 1e-13 and r.grad_diff < 1e-13, r
+
+
+@pytest.mark.slow
+def test_work_per_rank(rep: CPReport) -> None:
+    c, T = rep.world, rep.seq_len
+    plain, zigzag = rep.layout("plain"), rep.layout("zigzag")
+    assert plain.pairs == cp.causal_pairs(T, c, "plain") and zigzag.pairs == cp.causal_pairs(T, c, "zigzag")
+    n = T // c
+    assert plain.pairs[-1] / plain.pairs[0] == pytest.approx(((2 * c - 1) * n + 1) / (n + 1))
+    assert len(set(zigzag.pairs)) == 1
+    assert plain.blocks == list(range(1, c + 1)), "rank r needs the blocks of ranks 0..r only"
+    assert zigzag.blocks == [c] * c
+
+
+@pytest.mark.slow
+def test_bytes_per_layer(rep: CPReport) -> None:
+    c = rep.world
+    want = cp.ring_bytes_per_layer(CFG.seq_len, CFG.batch, CFG.d_model, c, act_bytes=4)
+    for r in rep.layouts:
+        assert r.sent_forward == want["forward"] and r.sent_backward == want["backward"]
+        assert r.calls == {"ring_kv": c - 1, "ring_kv_grad": c}
+
+
+@pytest.mark.slow
+def test_saved_activations_per_rank(rep: CPReport) -> None:
+    s = rep.saved
+    assert len(set(s["cp"])) == 1
+    assert s["cp"][0] * rep.world == s["one_process"][0], "every saved tensor is T/c long"
+    assert s["naive"][0] > s["one_process"][0], "the course's block also keeps the T x T softmax"
+
+
+@pytest.mark.slow
+def test_training_follows_one_process(rep: CPReport) -> None:
+    t = rep.train
+    assert len(t["losses"]) == CFG.steps
+    assert max(abs(a - b) for a, b in zip(t["losses"], t["ref_losses"])) < 1e-5
+    layer = cp.ring_bytes_per_layer(CFG.seq_len, CFG.batch, CFG.d_model, rep.world, act_bytes=4)
+    assert t["sent_per_step"] == CFG.n_layers * (layer["forward"] + layer["backward"])
+    assert all(p > 0 for p in t["peak"])
+
+
+@pytest.mark.slow
+def test_torch_context_parallel_on_gloo_says_why_not(rep: CPReport) -> None:
+    api = rep.api
+    if api["ran"]:  # a later torch may shard the CPU kernel: then it must agree with one process
+        assert api["loss_diff"] < 1e-4 and api["grad_diff"] < 1e-4
+    else:
+        assert "scaled_dot_product" in api["error"] and api["backend"] == "gloo"
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (one rank per GPU, NCCL)")
+def test_torch_context_parallel_on_nccl() -> None:
+    cfg = RunConfig(vocab=40, d_model=64, n_heads=4, n_layers=2, seq_len=64, batch=2)
+    out = CPReport.from_dict(launch.run("course_lib.workers.cp_compare", 2, ["--tasks", "api", "--cfg", cfg.to_json()],
+                                        timeout=300, env={"COURSE_DIST_BACKEND": "nccl"}))
+    assert out.api["ran"], out.api
+    assert out.api["loss_diff"] < 1e-4 and out.api["grad_diff"] < 1e-3
+    assert len(out.api["positions_rank0"]) == 32
+
+
+def test_worker_refuses_a_bad_sequence_length() -> None:
+    bad = RunConfig(vocab=40, d_model=16, n_heads=2, n_layers=1, seq_len=6, batch=2)
+    with pytest.raises(RuntimeError, match="not divisible by 2c = 4"):
+        launch.run("course_lib.workers.cp_compare", 2, ["--tasks", "exact", "--cfg", bad.to_json()], timeout=120)
