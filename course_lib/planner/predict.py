@@ -21,7 +21,7 @@ import math
 from course_lib import chunked_loss, offload
 from course_lib.checkpointing import recomputed_blocks, segment_plan
 from course_lib.distributed import context_parallel, tp_costs
-from course_lib.distributed.zero import zero_bytes_per_rank
+from course_lib.distributed.zero import MAX_IN_FLIGHT, zero_bytes_per_rank
 from course_lib.planner.config import Config
 from course_lib.planner.measure import Measurements
 
@@ -120,8 +120,9 @@ def predict_peak(meas: Measurements, config: Config, world_size: int = 1) -> dic
     # the states: ZeRO's formula, with the bytes one TP rank holds as the bytes of one "parameter"
     states = zero_bytes_per_rank(share, N, s, meas.param_bytes, meas.grad_bytes, meas.optimizer_bytes)
     in_flight = 0.0
-    if N > 1 and s == 2:  # ZeroOptimizer: one bucket's full gradient (plus gloo's copy of it) and its slice
-        in_flight = meas.bucket_bytes * share * (1 + meas.gloo + 1 / N)
+    if N > 1 and s == 2:  # ZeroOptimizer: the bucket being filled, those whose reduce-scatter is in flight (each
+        # with gloo's copy of it) and this rank's slice
+        in_flight = meas.bucket_bytes * share * (1 + MAX_IN_FLIGHT * (1 + meas.gloo) + 1 / N)
     elif N > 1 and s == 3:  # FSDP2: one block gathered, the next prefetched, one block's gradient (and gloo's copy)
         in_flight = meas.unit_bytes * block_share * (3 + meas.gloo)
     opt_tmp = meas.optimizer_tmp_bytes * share / (N if s >= 1 else 1)  # the update runs on this rank's shard

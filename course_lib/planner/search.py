@@ -244,8 +244,12 @@ def plan(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, mem
         why.append(f"Micro-batch {bigger[0]} would need {predict_peak(meas, nxt, world_size)['total'] / MiB:.1f} MiB.")
     if cfg.memory_options():
         plain = dataclasses.replace(cfg, fused=False, offload=False, loss_chunks=1)
-        why.append(f"Without {' and '.join(cfg.memory_options())} it would need "
-                   f"{predict_peak(meas, plain, world_size)['total'] / MiB:.1f} MiB.")
+        plain_peak, options = predict_peak(meas, plain, world_size)["total"], " and ".join(cfg.memory_options())
+        if plain_peak > usable:
+            why.append(f"Without {options} it would need {plain_peak / MiB:.1f} MiB.")
+        else:  # chosen for speed: without them it fits too (at the same peak where that is the optimizer step)
+            why.append(f"{options[0].upper()}{options[1:]}: chosen for speed, not memory (without, the peak would "
+                       f"be {plain_peak / MiB:.1f} MiB, which fits too).")
     if cfg.offload:
         why.append(f"Offloading moves {offload_bytes(meas, cfg) / 1e6:.1f} MB per step over the host link (priced "
                    f"at {host_bandwidth / 1e9:.0f} GB/s)" + ("; on a CPU machine that is chapter 10's simulation: "
