@@ -94,7 +94,7 @@ class HandmadeRun(WorkerResult):
     overruns: int                           # ops whose work took longer than their padded time
     grad_max_abs_diff: float
     output_max_abs_diff: float
-    timings: list[tuple[int, str, int, float, float]]  # (stage, op, micro-batch, start, end), s from the start
+    timings: list[tuple[int, str, int, float, float, int]]  # (stage, op, micro-batch, start, end, chunk), s
     bubble_measured_all: list[float] = field(default_factory=list)  # every repeat's
 
 
@@ -252,8 +252,10 @@ def main() -> None:
         # Warm-up, not measured: the first messages between two ranks open their
         # connection and the first backward initialises autograd, which would
         # otherwise count as idle time of the first measured run.
-        handmade_step(argparse.Namespace(**{**vars(a), "t_forward_ms": 0.0}), "1f1b", world, rank, world, device,
-                      clock)
+        # Each schedule gets its own (its chunks' first backward with a received gradient took seconds here).
+        for kind in kinds:
+            handmade_step(argparse.Namespace(**{**vars(a), "t_forward_ms": 0.0}), kind, world, rank, world, device,
+                          clock)
         for kind in kinds:
             for m in _ints(a.microbatches):
                 # On a shared machine another process can stall a rank for a while;
