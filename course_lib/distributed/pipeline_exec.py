@@ -216,7 +216,8 @@ def run_stage(stage: nn.Module | Sequence[nn.Module], schedule: Schedule, rank: 
     schedule (``in_shape`` then one per chunk). ``inputs`` (rank 0) and
     ``targets`` with ``loss_fn`` (rank ``p - 1``) hold one tensor per
     micro-batch. Each micro-batch's loss is divided by their number, so the
-    summed gradients equal those of the mean loss over the whole batch.
+    summed gradients equal those of the mean loss over the whole batch (not
+    with ``after_backward``, where each micro-batch makes a step of its own).
     ``op_seconds`` pads each op to a fixed time. ``clock`` times the ops
     (default ``clock_for(device)``: CUDA events on a GPU); make it before the
     barrier that starts the ranks together. PipeDream (``pipedream``) hooks in
@@ -237,6 +238,8 @@ def run_stage(stage: nn.Module | Sequence[nn.Module], schedule: Schedule, rank: 
         raise ValueError("weight stashing and per-micro-batch updates run on plain 1F1B orders (one chunk, no W)")
     first, last = rank == 0, rank == world - 1
     num_mb = len({o[1] for o in order})
+    # one step per micro-batch (PipeDream): its own mean loss; else the batch's mean over micro-batches
+    div = 1 if after_backward else num_mb
     if first and (inputs is None or len(inputs) != num_mb):
         raise ValueError(f"the first stage needs one input per micro-batch ({num_mb})")
     if last and (targets is None or loss_fn is None or len(targets) != num_mb):
@@ -291,7 +294,7 @@ def run_stage(stage: nn.Module | Sequence[nn.Module], schedule: Schedule, rank: 
             nbytes = saved_activation_bytes(run, exclude=params[c] + list((w or {}).values()))
             y = holder[0]
             if at_end:
-                loss = loss_fn(y, targets[i].to(device)) / num_mb
+                loss = loss_fn(y, targets[i].to(device)) / div
                 outputs.append(y.detach())
                 losses.append(loss.detach())
             graphs[(i, c)] = [x, loss if at_end else y, nbytes, None]
@@ -341,7 +344,7 @@ def run_stage(stage: nn.Module | Sequence[nn.Module], schedule: Schedule, rank: 
                     peak_activation_bytes=peak_bytes, peak_sends_held=peak_held,
                     sent_messages=traffic[0], sent_bytes=traffic[1],
                     overruns=sum(clock.overran(t) for t in pads), outputs=[o.cpu() for o in outputs],
-                    losses=[loss.item() * num_mb for loss in losses], clock=clock.name)
+                    losses=[loss.item() * div for loss in losses], clock=clock.name)
 
 
 def measured_bubble(runs: Sequence[StageRun]) -> dict[str, float]:
