@@ -168,7 +168,7 @@ def zb_h1_bubble_formula(num_stages: int, num_microbatches: int, t_forward: floa
 
     ``T_B`` is the input-gradient half of ``t_backward`` and ``T_W`` the weight
     gradient (default: half each); 1F1B idles ``(p - 1)(T_F + T_B + T_W)``.
-    Holds for ``m >= p`` (the reserve of ``W`` must be there to fill the drain).
+    Holds for ``m >= p`` and ``T_W <= T_F`` (the reserve of ``W`` must be there, and fit, to fill the drain).
     """
     _check_sizes(num_stages, num_microbatches)
     t_w = t_backward / 2 if t_weight is None else t_weight
