@@ -42,6 +42,10 @@ def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v.strip()]
 
 
+def _names(text: str) -> list[str]:
+    return [k.strip() for k in text.split(",") if k.strip()]
+
+
 def _chunks(a: argparse.Namespace, kind: str) -> int:
     return a.chunks if kind == "interleaved" else 1
 
@@ -232,6 +236,9 @@ def main() -> None:
                         help="the hand-written executor, torch.distributed.pipelining, or both")
     parser.add_argument("--torch-microbatches", default="",
                         help="micro-batch counts for torch.distributed.pipelining (default: --microbatches)")
+    parser.add_argument("--main-only", default="",
+                        help="schedules to run by hand only at the main number of micro-batches (the last of "
+                             "--torch-microbatches, else of --microbatches), not at every one")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run each padded step this often and keep the fastest (least disturbed) one")
     parser.add_argument("--seed", type=int, default=0)
@@ -256,8 +263,9 @@ def main() -> None:
         for kind in kinds:
             handmade_step(argparse.Namespace(**{**vars(a), "t_forward_ms": 0.0}), kind, world, rank, world, device,
                           clock)
+        main_m = _ints(a.torch_microbatches or a.microbatches)[-1]
         for kind in kinds:
-            for m in _ints(a.microbatches):
+            for m in (_ints(a.microbatches) if kind not in _names(a.main_only) else [main_m]):
                 # On a shared machine another process can stall a rank for a while;
                 # the fastest of a few repeats is the one closest to the schedule itself.
                 tries = [handmade_step(a, kind, m, rank, world, device, clock) for _ in range(a.repeats)]
