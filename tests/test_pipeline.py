@@ -614,3 +614,31 @@ def test_real_pipeline_on_nccl_matches_and_times_with_cuda_events():
     for run in result.handmade:
         assert run.grad_max_abs_diff < 1e-4 and run.overruns == 0, run.kind
         assert abs(run.bubble_measured - bubble_formula(p, m)) <= 0.05, (run.kind, run.bubble_measured)
+
+
+# ----- exercise 07, question 5: honest wrong answers fail the visible tests ---------------
+
+_WRONG_VERSIONS = {
+    "the update of its own backward counted as stale": ("            stale = max(stale, version - forward[i])\n"
+                                                         "            alive.discard(i)\n            version += 1",
+                                                         "            version += 1\n"
+                                                         "            stale = max(stale, version - forward[i])\n"
+                                                         "            alive.discard(i)"),
+    "the live weights counted as a stashed copy": ("peak = max(peak, len(alive))", "peak = max(peak, len(alive) + 1)"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mistake", sorted(_WRONG_VERSIONS))
+def test_exercise_weight_versions_catches_honest_mistakes(mistake, tmp_path):
+    import adversarial
+    from course_lib.tools.grading.grade import grade_notebook
+
+    stem, gid = "07_pipeline_parallel", "q5_weight_versions"
+    right = adversarial.solution_source(stem, gid)
+    old, new = _WRONG_VERSIONS[mistake]
+    assert old in right
+    path = adversarial.Attack("mistake", stem, honest=0, what=mistake, cells={gid: right.replace(old, new)}).write(tmp_path)
+    result = grade_notebook(path, timeout=60, hidden=False)   # what `course check` runs: the visible tests only
+    q = next(q for q in result.questions if q.name == "q5_weight_versions_test")
+    assert q.status == "failed", (mistake, q)
