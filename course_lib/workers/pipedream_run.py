@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 4 -m course_lib.workers.pipedream_run --microbatches 32 --flush-m 8 --seeds 0,1,2
 
 For each seed the ranks train a ``TinyTransformer`` cut into ``p`` stages on
-a stream of ``n`` micro-batches with PipeDream: 1F1B with no flush, every
+a stream of micro-batches (``--train-microbatches``) with PipeDream: 1F1B with no flush, every
 stage stepping its optimizer after each backward, on gradients computed with
 the weights it stashed for that micro-batch (``pipedream.WeightStash``). Rank 0
 also trains the whole model on the same micro-batches with one synchronous
@@ -66,7 +66,7 @@ class TimedRun(WorkerResult):
 @dataclass
 class PipeDreamResult(WorkerResult):
     world: int
-    n: int                                 # micro-batches in the stream (= optimizer steps of PipeDream)
+    n: int                                 # micro-batches of the timed runs (= optimizer steps of PipeDream)
     flush_m: int                           # micro-batches per step of PipeDream-Flush
     seeds: list[SeedRun] = field(default_factory=list)
     timed: list[TimedRun] = field(default_factory=list)
@@ -88,13 +88,14 @@ def train_seed(a: argparse.Namespace, seed: int, rank: int, world: int) -> SeedR
     """PipeDream on the ranks and (rank 0) synchronous steps, ``n`` micro-batches each."""
     model = _model(a, world, seed)
     reference = copy.deepcopy(model)
-    x, y = make_tokens(a.microbatches * a.microbatch_size, a.seq_len, vocab=a.vocab, seed=seed)
+    n = a.train_microbatches or a.microbatches
+    x, y = make_tokens(n * a.microbatch_size, a.seq_len, vocab=a.vocab, seed=seed)
     x_eval, y_eval = make_tokens(64, a.seq_len, vocab=a.vocab, seed=10_000 + seed)
-    xs, ys = [c.clone() for c in x.chunk(a.microbatches)], [c.clone() for c in y.chunk(a.microbatches)]
+    xs, ys = [c.clone() for c in x.chunk(n)], [c.clone() for c in y.chunk(n)]
     pieces = split_sequential(model.as_sequential(), world)
     stage = pieces[rank]
     stash = WeightStash(stage, torch.optim.Adam(stage.parameters(), lr=a.lr))
-    schedule = [async_order(world, a.microbatches, s) for s in range(world)]
+    schedule = [async_order(world, n, s) for s in range(world)]
     dist.barrier()
     run = run_stage(stage, schedule, rank, boundary_shapes(pieces, xs[0])[rank], inputs=xs if rank == 0 else None,
                     targets=ys if rank == world - 1 else None, loss_fn=lm_loss, clock=CpuClock(),
@@ -169,6 +170,8 @@ def timed_runs(a: argparse.Namespace, rank: int, world: int) -> list[TimedRun] |
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--microbatches", type=int, default=32, help="micro-batches in the stream (n)")
+    parser.add_argument("--train-microbatches", type=int, default=0,
+                        help="micro-batches (steps) of the training comparison (0: --microbatches)")
     parser.add_argument("--flush-m", type=int, default=8, help="micro-batches per step of PipeDream-Flush")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds of the training comparison")
     parser.add_argument("--lr", type=float, default=3e-3)

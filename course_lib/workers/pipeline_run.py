@@ -138,9 +138,10 @@ def handmade_step(a: argparse.Namespace, kind: str, m: int, rank: int, world: in
     mine_ = [c.to(device) for c in _my_chunks(pieces, rank, world, v)]
     schedule = make_schedule(kind, world, m, chunks=v)
     t_f, t_b = a.t_forward_ms / 1e3, a.t_backward_ms / 1e3
-    # a chunk's op takes 1/v of a stage's; a split backward is half input gradient, half weight gradient
-    pad = None if a.t_forward_ms <= 0 else {"F": t_f / v, "B": t_b / v / (2 if kind == "zb-h1" else 1),
-                                             "W": t_b / 2}
+    # A split backward is half input gradient, half weight gradient. A chunk's op would take 1/v of a
+    # stage's time; it is padded to the whole t_f / t_b instead: the bubble, a fraction, does not depend
+    # on the unit of time, and longer ops leave a shared machine's messaging delays less weight.
+    pad = None if a.t_forward_ms <= 0 else {"F": t_f, "B": t_b / (2 if kind == "zb-h1" else 1), "W": t_b / 2}
     dist.barrier()                                 # start together, so idle time is the schedule's
     run = run_stage(mine_ if v > 1 else mine_[0], schedule, rank, shapes if v > 1 else shapes[0],
                     inputs=xs if rank == 0 else None, targets=ys if rank == world - 1 else None, loss_fn=lm_loss,
