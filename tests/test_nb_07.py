@@ -115,7 +115,8 @@ def test_pipedream_without_stashing_is_inconsistent(claims):
 
 def test_pipedream_training_and_time(claims):
     assert claims["ch07/pd_first_loss_diff"] < 1e-5                          # the first step is not stale
-    assert claims["ch07/pd_eval_sync_mean"] < 4.0 and claims["ch07/pd_eval_async_mean"] < 4.0   # both learn (ln 64 = 4.16)
+    # both learn: the loss starts near ln 64 = 4.16
+    assert claims["ch07/pd_eval_sync_mean"] < 4.0 and claims["ch07/pd_eval_async_mean"] < 4.0
     lo, hi = claims["ch07/pd_eval_gap_range"]
     assert lo <= claims["ch07/pd_eval_gap_mean"] <= hi
     assert abs(claims["ch07/pd_eval_gap_mean"]) < 0.5                        # staleness costs little here

@@ -638,7 +638,8 @@ def test_exercise_weight_versions_catches_honest_mistakes(mistake, tmp_path):
     right = adversarial.solution_source(stem, gid)
     old, new = _WRONG_VERSIONS[mistake]
     assert old in right
-    path = adversarial.Attack("mistake", stem, honest=0, what=mistake, cells={gid: right.replace(old, new)}).write(tmp_path)
+    path = adversarial.Attack("mistake", stem, honest=0, what=mistake,
+                              cells={gid: right.replace(old, new)}).write(tmp_path)
     result = grade_notebook(path, timeout=60, hidden=False)   # what `course check` runs: the visible tests only
     q = next(q for q in result.questions if q.name == "q5_weight_versions_test")
     assert q.status == "failed", (mistake, q)
