@@ -118,8 +118,7 @@ def test_pipedream_training_and_time(claims):
     # both learn: the loss starts near ln 64 = 4.16
     assert claims["ch07/pd_eval_sync_mean"] < 4.0 and claims["ch07/pd_eval_async_mean"] < 4.0
     lo, hi = claims["ch07/pd_eval_gap_range"]
-    assert lo <= claims["ch07/pd_eval_gap_mean"] <= hi
-    assert abs(claims["ch07/pd_eval_gap_mean"]) < 0.5                        # staleness costs little here
+    assert 0 < lo <= claims["ch07/pd_eval_gap_mean"] <= hi                   # stale gradients cost loss, every seed
     assert claims["ch07/pd_bubble_error_async"] <= 0.05
     assert claims["ch07/pd_bubble_error_flush"] <= 0.05
     assert claims["ch07/pd_time_ratio_flush_over_async"] > 1.05              # no flush: less time

@@ -142,6 +142,8 @@ def handmade_step(a: argparse.Namespace, kind: str, m: int, rank: int, world: in
     # stage's time; it is padded to the whole t_f / t_b instead: the bubble, a fraction, does not depend
     # on the unit of time, and longer ops leave a shared machine's messaging delays less weight.
     pad = None if a.t_forward_ms <= 0 else {"F": t_f, "B": t_b / (2 if kind == "zb-h1" else 1), "W": t_b / 2}
+    if pad and kind in _names(a.main_only):
+        pad = {op: a.main_pad_scale * t for op, t in pad.items()}
     dist.barrier()                                 # start together, so idle time is the schedule's
     run = run_stage(mine_ if v > 1 else mine_[0], schedule, rank, shapes if v > 1 else shapes[0],
                     inputs=xs if rank == 0 else None, targets=ys if rank == world - 1 else None, loss_fn=lm_loss,
@@ -241,6 +243,9 @@ def main() -> None:
     parser.add_argument("--main-only", default="",
                         help="schedules to run by hand only at the main number of micro-batches (the last of "
                              "--torch-microbatches, else of --microbatches), not at every one")
+    parser.add_argument("--main-pad-scale", type=float, default=1.0,
+                        help="pad the --main-only schedules' ops this many times longer: a schedule with no slack "
+                             "(ZB-H1) lets every messaging delay add to its idle time")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run each padded step this often and keep the fastest (least disturbed) one")
     parser.add_argument("--seed", type=int, default=0)
