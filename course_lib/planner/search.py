@@ -266,10 +266,16 @@ def plan(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, mem
     why = [f"Chosen: {cfg.describe()}{mesh}. Predicted peak {best.peak['total'] / MiB:.1f} MiB of {budget_text} "
            f"({_parts(best.peak)} MiB; the peak is in the {best.peak['where']}), about {best.samples_per_s:.0f} "
            "samples/s."]
-    bigger = [m for m in range(cfg.micro_batch + 1, per_rank + 1) if per_rank % m == 0]
+    bigger = [dataclasses.replace(cfg, micro_batch=m, accumulation_steps=per_rank // m)
+              for m in range(cfg.micro_batch + 1, per_rank + 1) if per_rank % m == 0]
+    bigger = [c for c in bigger if _pipelines(meas, c)]
     if bigger:
-        nxt = dataclasses.replace(cfg, micro_batch=bigger[0], accumulation_steps=per_rank // bigger[0])
-        why.append(f"Micro-batch {bigger[0]} would need {predict_peak(meas, nxt, world_size)['total'] / MiB:.1f} MiB.")
+        nxt = bigger[0]
+        need = predict_peak(meas, nxt, world_size)["total"]
+        fits_too = "" if need > usable else (  # a pipeline: it fits, but needs more micro-batches for its bubble
+            f" and leave the pipeline a bubble of {pipeline_terms(nxt, meas.n_blocks)['bubble']:.2f}, not "
+            f"{pipeline_terms(cfg, meas.n_blocks)['bubble']:.2f}")
+        why.append(f"Micro-batch {nxt.micro_batch} would need {need / MiB:.1f} MiB{fits_too}.")
     if cfg.memory_options():
         plain = dataclasses.replace(cfg, fused=False, offload=False, loss_chunks=1)
         why.append(f"Without {' and '.join(cfg.memory_options())} it would need "
