@@ -466,8 +466,8 @@ def test_real_pipedream_stashes_p_minus_s_versions_and_removes_the_flush():
     p, n, m = 3, 12, 6
     result = PipeDreamResult.from_dict(launch.run(
         "course_lib.workers.pipedream_run", nproc=p, timeout=300, env={"COURSE_DIST_BACKEND": "gloo"},
-        args=["--microbatches", str(n), "--flush-m", str(m), "--seeds", "0", "--t-forward-ms", "40",
-              "--t-backward-ms", "80"]))
+        args=["--microbatches", str(n), "--flush-m", str(m), "--seeds", "0", "--t-forward-ms", "50",
+              "--t-backward-ms", "100", "--repeats", "2"]))
     run = result.seeds[0]
     assert run.peak_copies == [p - s for s in range(p)]
     assert run.peak_stash_bytes == [(p - s) * b for s, b in enumerate(run.stage_param_bytes)]
@@ -476,8 +476,10 @@ def test_real_pipedream_stashes_p_minus_s_versions_and_removes_the_flush():
     assert len(run.async_losses) == len(run.sync_losses) == n
     assert run.async_losses[0] == pytest.approx(run.sync_losses[0], abs=1e-5)   # nothing stale yet
     timed = {t.kind: t for t in result.timed}
-    assert timed["async"].bubble_measured == pytest.approx(bubble_formula(p, n), abs=0.05)
-    assert timed["flush"].bubble_measured == pytest.approx(bubble_formula(p, m), abs=0.05)
+    assert timed["async"].bubble_measured == pytest.approx(bubble_formula(p, n), abs=0.05), timed["async"]
+    assert timed["flush"].bubble_measured == pytest.approx(bubble_formula(p, m), abs=0.05), timed["flush"]
+    assert timed["async"].peak_inflight == [p - s for s in range(p)]
+    assert timed["async"].sent_messages == timed["flush"].sent_messages == 2 * (p - 1) * n
 
 
 # ----- clocks: the CPU's, and CUDA events on a GPU ----------------------------------
