@@ -10,10 +10,12 @@ from torch import nn
 
 from course_lib.distributed.clock import CpuClock, CudaClock, clock_for
 from course_lib.tools import plots
+from course_lib.distributed.pipedream import WeightStash, async_order, stash_formula, versions
 from course_lib.distributed.pipeline import (KINDS, OpTiming, bubble_formula, check_schedule, inflight_counts,
-                                             interleaved_order, make_schedule, one_f_one_b_order, simulate)
-from course_lib.distributed.pipeline_exec import (boundary_shapes, message_batches, op_links, run_stage,
-                                                  split_sequential)
+                                             interleaved_order, make_schedule, one_f_one_b_order, simulate,
+                                             zb_h1_bubble_formula)
+from course_lib.distributed.pipeline_exec import (boundary_shapes, message_batches, op_links, peak_sends_held,
+                                                  run_stage, send_releases, split_sequential)
 
 GRID = [(p, m) for p in (1, 2, 3, 4, 5, 8) for m in (1, 2, 3, 4, 7, 8, 16, 33)]
 
@@ -183,8 +185,21 @@ def test_interleaved_bad_sizes():
         make_schedule("interleaved", 3, 4, chunks=2)
     with pytest.raises(ValueError, match="chunks must be"):
         interleaved_order(2, 4, 0, chunks=0)
-    with pytest.raises(ValueError, match="one model chunk per device"):
-        run_stage(nn.Linear(2, 2), make_schedule("interleaved", 2, 2)[0], 0, 2, ((1, 2), torch.float32))
+    with pytest.raises(ValueError, match="pass 2 modules"):
+        run_stage(nn.Linear(2, 2), make_schedule("interleaved", 2, 2), 0, ((1, 2), torch.float32))
+    with pytest.raises(ValueError, match="at least 2 ranks"):
+        run_stage([nn.Linear(2, 2)] * 2, make_schedule("interleaved", 1, 2), 0, [((1, 2), torch.float32)] * 2)
+
+
+def test_zb_h1_simulated_bubble_is_the_papers_formula():
+    """Qi et al. 2024: ZB-H1 idles (p-1)(T_F + T_B - T_W) per stage (when T_W <= T_F: the reserve fits)."""
+    for p, m in GRID:
+        if m < p:
+            continue
+        for t_f, t_b, t_w in [(1.0, 2.0, None), (1.0, 2.0, 0.8), (1.0, 1.5, 0.5), (1.0, 3.0, 1.0)]:
+            sim = simulate(make_schedule("zb-h1", p, m), t_f, t_b, t_w)
+            assert sim.bubble_fraction == pytest.approx(zb_h1_bubble_formula(p, m, t_f, t_b, t_w), abs=1e-12)
+    assert zb_h1_bubble_formula(4, 8) == pytest.approx(3 / (3 * 8 + 3))          # T_F = T_B = T_W
 
 
 # ----- executor pieces that need no processes --------------------------------------
@@ -201,11 +216,112 @@ def test_split_sequential_and_shapes():
 
 
 def test_run_stage_checks_its_inputs_before_communicating():
-    stage = nn.Linear(2, 2)
+    stage, two = nn.Linear(2, 2), [[("F", 0), ("B", 0)]] * 2
     with pytest.raises(ValueError, match="first stage needs"):
-        run_stage(stage, [("F", 0), ("B", 0)], rank=0, world=2, in_shape=((1, 2), torch.float32))
+        run_stage(stage, two, rank=0, in_shape=((1, 2), torch.float32))
     with pytest.raises(ValueError, match="last stage needs"):
-        run_stage(stage, [("F", 0), ("B", 0)], rank=1, world=2, in_shape=((1, 2), torch.float32))
+        run_stage(stage, two, rank=1, in_shape=((1, 2), torch.float32))
+    with pytest.raises(ValueError, match="plain 1F1B"):
+        run_stage(stage, make_schedule("zb-h1", 2, 2), 0, ((1, 2), torch.float32), inputs=[torch.zeros(1, 2)] * 2,
+                  after_backward=lambda i: None)
+
+
+def test_split_backward_gives_the_same_gradients():
+    """B (input gradient) then W (weight gradient, deferred) add up to the plain backward's gradients."""
+    xs, ys = [torch.randn(3, 4) for _ in range(4)], [torch.randn(3, 2) for _ in range(4)]
+    grads = {}
+    for kind in ("1f1b", "zb-h1"):
+        torch.manual_seed(0)
+        stage = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        run = run_stage(stage, make_schedule(kind, 1, 4), 0, ((3, 4), torch.float32), inputs=xs, targets=ys,
+                        loss_fn=nn.functional.mse_loss)
+        grads[kind] = [p.grad.clone() for p in stage.parameters()]
+        assert [op for op, *_ in run.busy] == [op for op, *_ in make_schedule(kind, 1, 4)[0]]
+        assert run.peak_inflight == 1
+    for a, b in zip(grads["1f1b"], grads["zb-h1"]):
+        torch.testing.assert_close(a, b)
+
+
+# ----- sends are freed as soon as the peer has them ------------------------------------
+
+
+def test_sends_are_released_once_the_peer_has_them():
+    """A stage keeps a sent tensor only until a later message proves the peer took it: about p, not m."""
+    for p, m in [(2, 8), (3, 6), (4, 8), (4, 16), (4, 32)]:
+        for s in range(p):
+            bound = peak_sends_held(make_schedule("1f1b", p, m), s)
+            assert bound <= min(p - s, m) + 1, (p, m, s)          # whatever m: the stage's in-flight count + 1
+            assert peak_sends_held(make_schedule("zb-h1", p, m), s) <= min(p - s, m) + 1
+            if 0 < s:                                             # GPipe's stages hold all m anyway
+                assert peak_sends_held(make_schedule("gpipe", p, m), s) == m
+    # stage 0 of 1F1B on 2 stages: F0 F1 B0 F2 B1 ... its activation send of F0 is freed when B0's gradient arrives
+    order = make_schedule("1f1b", 2, 4)[0]
+    assert order[:3] == [("F", 0), ("F", 1), ("B", 0)]
+    assert send_releases(make_schedule("1f1b", 2, 4), 0)[0] == 2
+
+
+@pytest.mark.parametrize("p, v", [(2, 2), (3, 2), (4, 2), (2, 3), (4, 3)])
+def test_interleaved_messages_pair_up(p, v):
+    """Every send of an interleaved schedule has one receive with the same (peer, tag) on its peer."""
+    schedule = make_schedule("interleaved", p, 2 * p, chunks=v)
+    sends, recvs = [], []
+    for rank, order in enumerate(schedule):
+        for recv, send in (op_links(o, rank, p, v) for o in order):
+            if send:
+                sends.append((rank, *send))
+            if recv:
+                recvs.append((recv[0], rank, recv[1]))           # (sender, receiver, tag)
+    assert len(sends) == len(set(sends)) == 2 * (p * v - 1) * 2 * p    # 2 (p v - 1) crossings per micro-batch
+    assert sorted(sends) == sorted(recvs)
+    for rank in range(p):                                       # and none waits on itself
+        assert all(l is None or l[0] != rank for o in schedule[rank] for l in op_links(o, rank, p, v))
+
+
+# ----- PipeDream: asynchronous 1F1B with weight stashing ---------------------------------
+
+
+def test_pipedream_versions_staleness_and_stash():
+    for p in (2, 3, 4, 8):
+        for s in range(p):
+            ver = versions(async_order(p, 4 * p, s))
+            assert ver.staleness == p - s - 1                   # updates between a forward and its own update
+            assert ver.peak_stashed == stash_formula(p, s) == p - s
+            assert all(ver.backward[i] == i for i in ver.backward)   # one update per micro-batch before it
+
+
+def _two_stashed_forwards(stash: bool):
+    torch.manual_seed(0)
+    layer = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))   # the second weight is saved for backward
+    ws = WeightStash(layer, torch.optim.SGD(layer.parameters(), lr=0.5), stash=stash)
+    xs = [torch.randn(4, 3) for _ in range(2)]
+    outs = []
+    for i, x in enumerate(xs):                                  # two forwards in flight, as on stage 0 of 2
+        w = ws.weights(i)
+        outs.append(torch.func.functional_call(layer, w, (x,)) if w is not None else layer(x))
+    return layer, ws, xs, outs
+
+
+def test_weight_stash_gives_the_gradient_at_the_forwards_version():
+    layer, ws, xs, outs = _two_stashed_forwards(stash=True)
+    w0 = {n: p.detach().clone().requires_grad_() for n, p in layer.named_parameters()}
+    outs[0].sum().backward()
+    ws.apply(0)                                                 # an update between micro-batch 1's F and B
+    assert not torch.equal(layer[2].weight, w0["2.weight"])
+    outs[1].sum().backward()                                    # runs on the stashed version 0
+    expected = torch.autograd.grad(torch.func.functional_call(layer, w0, (xs[1],)).sum(), list(w0.values()))
+    grads = [ws.copies[1][1][n].grad for n in w0]
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e)
+    ws.apply(1)
+    assert ws.used == [(0, 0, 0), (1, 0, 1)] and ws.peak_copies == 2 and not ws.copies
+
+
+def test_without_stashing_autograd_refuses_the_mixed_versions():
+    _, ws, _, outs = _two_stashed_forwards(stash=False)
+    outs[0].sum().backward()
+    ws.apply(0)                                                 # updates the weights micro-batch 1 saved
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        outs[1].sum().backward()
 
 
 # ----- messages: batched so that NCCL cannot deadlock --------------------------------
@@ -313,21 +429,57 @@ def test_real_pipeline_matches_sequential_and_formula():
 
     p, m = 3, 6
     result = PipelineResult.from_dict(launch.run(
-        "course_lib.workers.pipeline_run", nproc=p, timeout=150, env={"COURSE_DIST_BACKEND": "gloo"},
-        args=["--api", "both", "--schedules", "gpipe,1f1b", "--microbatches", str(m),
+        "course_lib.workers.pipeline_run", nproc=p, timeout=300, env={"COURSE_DIST_BACKEND": "gloo"},
+        args=["--api", "both", "--schedules", "gpipe,1f1b,zb-h1,interleaved", "--microbatches", str(m),
               "--t-forward-ms", "50", "--t-backward-ms", "100", "--repeats", "2"]))
     assert result.world == p and result.backend == "gloo" and result.clock == "perf_counter"
+    runs = {r.kind: r for r in result.handmade}
     for run in result.handmade:
         assert run.output_max_abs_diff < 1e-5 and run.grad_max_abs_diff < 1e-5, run
-        assert abs(run.bubble_measured - bubble_formula(p, m)) <= 0.05, (run.kind, run.bubble_measured_all)
-        expected = [m] * p if run.kind == "gpipe" else [min(p - s, m) for s in range(p)]
-        assert run.peak_inflight == expected
-        assert len(run.timings) == 2 * m * p
-    gp, ofob = (next(r for r in result.handmade if r.kind == k) for k in ("gpipe", "1f1b"))
+        assert abs(run.bubble_measured - run.bubble_formula) <= 0.05, (run.kind, run.bubble_measured_all)
+        assert run.bubble_simulated == pytest.approx(run.bubble_formula, abs=1e-12)
+        assert run.peak_inflight == [round(c * run.chunks) for c in run.peak_inflight_simulated]
+        assert run.peak_sends_held == run.peak_sends_bound, run.kind   # what the schedule allows, no more
+        ops = 3 if run.kind == "zb-h1" else 2
+        assert len(run.timings) == ops * m * p * run.chunks
+    assert runs["gpipe"].peak_inflight == [m] * p
+    assert runs["1f1b"].peak_inflight == [min(p - s, m) for s in range(p)]
+    assert runs["zb-h1"].peak_inflight == [min(p, m)] * p                # W holds activations longer
+    for kind in ("1f1b", "zb-h1"):                                       # sent tensors: about p, not m
+        assert runs[kind].peak_sends_held == [min(p - s, m) + (s > 0) for s in range(p)], kind
+    assert runs["interleaved"].sent_messages == 2 * (p * 2 - 1) * m      # 2 (p v - 1) per micro-batch
+    assert runs["1f1b"].sent_messages == 2 * (p - 1) * m
+    gp, ofob = runs["gpipe"], runs["1f1b"]
     assert gp.peak_activation_bytes[0] == pytest.approx(2 * ofob.peak_activation_bytes[0])  # m / p = 2
-    assert {r.kind for r in result.torch_api} == {"gpipe", "1f1b"}
+    assert {r.kind for r in result.torch_api} == {"gpipe", "1f1b", "zb-h1", "interleaved"}
     for run in result.torch_api:
         assert run.output_max_abs_diff < 1e-5 and run.grad_max_abs_diff < 1e-5, run
+        assert run.loss == pytest.approx(run.loss_reference, abs=1e-5), run
+    assert {r.schedule for r in result.torch_api} >= {"ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble"}
+
+
+@pytest.mark.slow
+def test_real_pipedream_stashes_p_minus_s_versions_and_removes_the_flush():
+    from course_lib.distributed import launch
+    from course_lib.workers.pipedream_run import PipeDreamResult
+
+    p, n, m = 3, 12, 6
+    result = PipeDreamResult.from_dict(launch.run(
+        "course_lib.workers.pipedream_run", nproc=p, timeout=300, env={"COURSE_DIST_BACKEND": "gloo"},
+        args=["--microbatches", str(n), "--flush-m", str(m), "--seeds", "0", "--t-forward-ms", "50",
+              "--t-backward-ms", "100", "--repeats", "2"]))
+    run = result.seeds[0]
+    assert run.peak_copies == [p - s for s in range(p)]
+    assert run.peak_stash_bytes == [(p - s) * b for s, b in enumerate(run.stage_param_bytes)]
+    assert [max(u - f for _, f, u in used) for used in run.used] == [p - s - 1 for s in range(p)]
+    assert [len(used) for used in run.used] == [n] * p                # one update per micro-batch on every stage
+    assert len(run.async_losses) == len(run.sync_losses) == n
+    assert run.async_losses[0] == pytest.approx(run.sync_losses[0], abs=1e-5)   # nothing stale yet
+    timed = {t.kind: t for t in result.timed}
+    assert timed["async"].bubble_measured == pytest.approx(bubble_formula(p, n), abs=0.05), timed["async"]
+    assert timed["flush"].bubble_measured == pytest.approx(bubble_formula(p, m), abs=0.05), timed["flush"]
+    assert timed["async"].peak_inflight == [p - s for s in range(p)]
+    assert timed["async"].sent_messages == timed["flush"].sent_messages == 2 * (p - 1) * n
 
 
 # ----- clocks: the CPU's, and CUDA events on a GPU ----------------------------------
@@ -421,7 +573,7 @@ class _TickClock(CpuClock):
 def test_run_stage_times_ops_with_its_clock():
     stage = nn.Linear(2, 2)
     xs, ys = [torch.randn(3, 2) for _ in range(2)], [torch.randn(3, 2) for _ in range(2)]
-    run = run_stage(stage, make_schedule("1f1b", 1, 2)[0], 0, 1, ((3, 2), torch.float32), inputs=xs, targets=ys,
+    run = run_stage(stage, make_schedule("1f1b", 1, 2), 0, ((3, 2), torch.float32), inputs=xs, targets=ys,
                     loss_fn=nn.functional.mse_loss, op_seconds={"F": 0.0, "B": 0.0}, clock=_TickClock())
     # start, then (began, end) for each of the four ops, then the end after the last messages
     assert run.clock == "ticks" and run.start == 0.0 and run.end == 9.0
@@ -464,3 +616,32 @@ def test_real_pipeline_on_nccl_matches_and_times_with_cuda_events():
     for run in result.handmade:
         assert run.grad_max_abs_diff < 1e-4 and run.overruns == 0, run.kind
         assert abs(run.bubble_measured - bubble_formula(p, m)) <= 0.05, (run.kind, run.bubble_measured)
+
+
+# ----- exercise 07, question 5: honest wrong answers fail the visible tests ---------------
+
+_WRONG_VERSIONS = {
+    "the update of its own backward counted as stale": ("            stale = max(stale, version - forward[i])\n"
+                                                         "            alive.discard(i)\n            version += 1",
+                                                         "            version += 1\n"
+                                                         "            stale = max(stale, version - forward[i])\n"
+                                                         "            alive.discard(i)"),
+    "the live weights counted as a stashed copy": ("peak = max(peak, len(alive))", "peak = max(peak, len(alive) + 1)"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mistake", sorted(_WRONG_VERSIONS))
+def test_exercise_weight_versions_catches_honest_mistakes(mistake, tmp_path):
+    import adversarial
+    from course_lib.tools.grading.grade import grade_notebook
+
+    stem, gid = "07_pipeline_parallel", "q5_weight_versions"
+    right = adversarial.solution_source(stem, gid)
+    old, new = _WRONG_VERSIONS[mistake]
+    assert old in right
+    path = adversarial.Attack("mistake", stem, honest=0, what=mistake,
+                              cells={gid: right.replace(old, new)}).write(tmp_path)
+    result = grade_notebook(path, timeout=60, hidden=False)   # what `course check` runs: the visible tests only
+    q = next(q for q in result.questions if q.name == "q5_weight_versions_test")
+    assert q.status == "failed", (mistake, q)

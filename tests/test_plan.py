@@ -470,3 +470,59 @@ def test_expert_parallel_layouts():
         planner.plan_experts(d, hid, E, tokens, k, 4, lays[4].peak - 1)
     with pytest.raises(ValueError, match="does not divide"):
         planner.predict_experts(d, hid, E, tokens, k, 3, 4)
+
+
+# ----- pipeline stages and interleaving (chapter 07) ------------------------------------------------------------
+
+
+def test_pipeline_terms_are_chapter_07s_schedules():
+    from course_lib.distributed.pipeline import bubble_formula, make_schedule, simulate
+
+    for p, a in ((2, 4), (4, 8), (4, 16)):
+        plain = planner.Config("fp32", 1, a, 1, 0, pp=p)
+        terms = planner.pipeline_terms(plain, 8)
+        sim = simulate(make_schedule("1f1b", p, a))
+        assert terms["bubble"] == pytest.approx(bubble_formula(p, a)) == pytest.approx(sim.bubble_fraction)
+        assert terms["inflight"] == sim.peak_inflight[0] == min(p, a)
+        assert terms["crossings"] == 2 * (p - 1)
+        inter = planner.pipeline_terms(dataclasses.replace(plain, virtual_stages=2), 8)
+        sim = simulate(make_schedule("interleaved", p, a, chunks=2))
+        assert inter["bubble"] == pytest.approx(sim.bubble_fraction) and inter["bubble"] < terms["bubble"]
+        assert inter["inflight"] == pytest.approx(sim.peak_inflight[0]) and inter["inflight"] > terms["inflight"]
+        assert inter["crossings"] == 2 * (2 * p - 1)
+    with pytest.raises(ValueError, match="do not cut"):
+        planner.pipeline_terms(planner.Config("fp32", 1, 4, 1, 0, pp=3), 8)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        planner.pipeline_terms(planner.Config("fp32", 1, 6, 1, 0, pp=4, virtual_stages=2), 8)
+    with pytest.raises(ValueError, match="interleaving needs a pipeline"):
+        planner.Config("fp32", 1, 4, 1, 0, virtual_stages=2)
+
+
+def test_pipeline_peak_and_time_follow_the_stage_share(measured_plan):
+    meas = measured_plan.measurements                     # 4 blocks
+    flat = planner.Config("fp32", 2, 8, 1, 0)
+    whole, fb = planner.predict_peak(meas, flat, 1), planner.predict_step_time(meas, flat, 1)
+    for v, held in ((1, 2), (2, 2 * (1 + 1 / 4))):       # 1F1B: min(p, A) = 2; interleaved: p (1 + (p-1)/(p v))
+        cfg = dataclasses.replace(flat, pp=2, virtual_stages=v)
+        peak = planner.predict_peak(meas, cfg, 2)
+        for part in ("params", "grads", "optimizer"):     # a stage keeps half the model states
+            assert peak[part] == -(-whole[part] // 2)
+        assert whole["where"] == "forward/backward"
+        assert peak["transient"] == pytest.approx(whole["transient"] * held / 2, abs=1)
+        bubble = 1 / (v * 8 + 1)
+        assert planner.predict_step_time(meas, cfg, 2) == pytest.approx(fb / 2 / (1 - bubble), rel=1e-3)
+    assert planner.predict_step_time(meas, dataclasses.replace(flat, pp=2, virtual_stages=2), 2) \
+        < planner.predict_step_time(meas, dataclasses.replace(flat, pp=2), 2)          # the smaller bubble
+
+
+def test_plan_searches_pipeline_interleaving(model):
+    p = planner.plan(model, (T,), B, 1 << 34, world_size=2, precisions=("fp32",), tensor_parallel=False,
+                     pipeline_stages=2, virtual_stages=(1, 2))
+    assert {c.config.pp for c in p.candidates} == {2}
+    assert {c.config.virtual_stages for c in p.candidates} == {1, 2}
+    assert all(c.config.accumulation_steps % 2 == 0 for c in p.candidates if c.config.virtual_stages == 2)
+    # with room to spare interleaving pays: half the bubble for messages at intra-node speed
+    assert p.config.pp == 2 and p.config.virtual_stages == 2
+    assert "pipeline over 2 stages of 2 interleaved chunks" in p.explanation
+    with pytest.raises(ValueError, match="pipeline_stages must divide"):
+        planner.plan(model, (T,), B, 1 << 34, world_size=2, pipeline_stages=3)

@@ -162,6 +162,20 @@ def bubble_formula(num_stages: int, num_microbatches: int, chunks: int = 1) -> f
     return (num_stages - 1) / (chunks * num_microbatches + num_stages - 1)
 
 
+def zb_h1_bubble_formula(num_stages: int, num_microbatches: int, t_forward: float = 1.0,
+                         t_backward: float = 2.0, t_weight: float | None = None) -> float:
+    """ZB-H1's idle share (Qi et al. 2024, section 3): each stage idles ``(p - 1)(T_F + T_B - T_W)``.
+
+    ``T_B`` is the input-gradient half of ``t_backward`` and ``T_W`` the weight
+    gradient (default: half each); 1F1B idles ``(p - 1)(T_F + T_B + T_W)``.
+    Holds for ``m >= p`` and ``T_W <= T_F`` (the reserve of ``W`` must be there, and fit, to fill the drain).
+    """
+    _check_sizes(num_stages, num_microbatches)
+    t_w = t_backward / 2 if t_weight is None else t_weight
+    idle = (num_stages - 1) * (t_forward + (t_backward - t_w) - t_w)
+    return idle / (idle + num_microbatches * (t_forward + t_backward))
+
+
 def _triple(o: Op) -> tuple[str, int, int]:
     """``(op, micro-batch, chunk)``: plain schedules have one chunk, 0."""
     return (o[0], o[1], o[2] if len(o) == 3 else 0)

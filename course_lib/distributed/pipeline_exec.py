@@ -9,7 +9,13 @@
   last stage computes the loss instead);
 - ``("B", i)``: receives the gradient of that output from the next rank (the
   last stage starts from its loss), back-propagates through its layers, which
-  adds to the parameters' ``.grad``, and sends the input's gradient back.
+  adds to the parameters' ``.grad``, and sends the input's gradient back;
+- ``("W", i)`` (zero-bubble schedules): the backward is split, ``B`` computes
+  only the input's gradient, which the previous rank waits for, and ``W`` the
+  weights' gradients later, which nobody waits for;
+- ``("F", i, c)`` (interleaved schedules): the same on the rank's model chunk
+  ``c``; chunk ``c`` of rank ``d`` is virtual stage ``c p + d``, so messages
+  go round the ranks ``v`` times (rank ``p - 1`` sends on to rank 0).
 
 Between two ops a rank posts one batch of messages (``message_batches``,
 ``comm.exchange``): the send of the op just finished and the receive of the
@@ -20,8 +26,15 @@ send waits for its receiver: in 1F1B two neighbours each send to the other
 and then receive from it, which hangs as separate calls and runs as one
 group. Activations flow only forward and gradients only backward between two
 neighbours, and both run their micro-batches in the same order, so messages
-pair up in order (all NCCL looks at); the tag (micro-batch, direction) makes
-the pairing explicit for gloo.
+pair up in order (all NCCL looks at); the tag (micro-batch, direction, chunk)
+makes the pairing explicit for gloo.
+
+A sent tensor must stay alive until its message has left, and a gloo send
+only completes once the peer has posted its receive. The rank frees it as
+soon as it *knows* that: when a message arrives from that peer which the peer
+sent after taking ours (``pipeline_messages.send_releases``). Kept until the end of the step,
+the sends of a 1F1B stage would hold all ``m`` boundary tensors; released,
+they hold about as many as the stage has micro-batches in flight.
 
 For the bubble measurement each op can be padded to a fixed duration
 (``op_seconds``): the real work runs, then the rank waits until the op's time
@@ -43,9 +56,13 @@ from torch import nn
 
 from course_lib.distributed import comm
 from course_lib.distributed.clock import Clock, clock_for
+from course_lib.distributed.pipeline import Schedule, check_schedule, num_chunks
+from course_lib.distributed.pipeline_messages import (Link, message_batches, op_links,  # noqa: F401 (re-exported)
+                                                      peak_sends_held, send_releases)
 from course_lib.memory import saved_activation_bytes
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Shape = tuple[tuple[int, ...], torch.dtype]
 
 
 def split_sequential(model: nn.Sequential, num_stages: int) -> list[nn.Sequential]:
@@ -68,7 +85,7 @@ def split_sequential(model: nn.Sequential, num_stages: int) -> list[nn.Sequentia
 
 
 @torch.no_grad()
-def boundary_shapes(stages: Sequence[nn.Module], sample: torch.Tensor) -> list[tuple[tuple[int, ...], torch.dtype]]:
+def boundary_shapes(stages: Sequence[nn.Module], sample: torch.Tensor) -> list[Shape]:
     """Shape and dtype of the tensor that enters each stage, for one micro-batch ``sample``.
 
     A rank must allocate its receive buffer before the data arrives, so every
@@ -81,41 +98,6 @@ def boundary_shapes(stages: Sequence[nn.Module], sample: torch.Tensor) -> list[t
     return shapes
 
 
-def _tag(microbatch: int, backward: bool) -> int:
-    return 2 * microbatch + int(backward)
-
-
-Link = tuple[int, int]  # (peer rank, tag) of one message
-
-
-def op_links(op: tuple[str, int], rank: int, world: int) -> tuple[Link | None, Link | None]:
-    """What one op receives before it runs and sends after: ``(recv, send)``, ``None`` where it has none."""
-    kind, i = op
-    prev, nxt = (rank - 1, _tag(i, kind == "B")), (rank + 1, _tag(i, kind == "B"))
-    if kind == "F":                     # activations flow forward
-        return (None if rank == 0 else prev), (None if rank == world - 1 else nxt)
-    return (None if rank == world - 1 else nxt), (None if rank == 0 else prev)   # gradients flow back
-
-
-def message_batches(order: Sequence[tuple[str, int]], rank: int, world: int) -> list[tuple[list[Link], list[Link]]]:
-    """The ``(sends, recvs)`` a rank posts together between ops: batch ``k`` runs before op ``k``.
-
-    Batch ``k`` holds op ``k-1``'s send and op ``k``'s receive; the last one
-    (``k = len(order)``) only the last op's send. One batch is one
-    ``dist.batch_isend_irecv``: in 1F1B's steady state a rank sends an
-    activation to the next rank and receives a gradient from it, and NCCL
-    runs such a pair only as one group (posted one by one, both ranks would
-    sit in their send). The sends leave exactly when they did one by one.
-    """
-    links = [op_links(op, rank, world) for op in order]
-    batches = []
-    for k in range(len(order) + 1):
-        send = links[k - 1][1] if k > 0 else None
-        recv = links[k][0] if k < len(order) else None
-        batches.append(([send] if send else [], [recv] if recv else []))
-    return batches
-
-
 @dataclass
 class StageRun:
     """What one rank measured while running its order of ops (times in seconds of its clock)."""
@@ -124,103 +106,159 @@ class StageRun:
     start: float                                   # when the rank began (after a barrier)
     end: float                                     # when its last op finished and its last message left
     busy: list[tuple[str, int, float, float]] = field(default_factory=list)  # (op, mb, start, end)
-    peak_inflight: int = 0                         # most micro-batches whose graph was kept at once
+    busy_chunks: list[int] = field(default_factory=list)         # the model chunk of each busy op
+    peak_inflight: int = 0                         # most micro-batch graphs kept at once
     peak_activation_bytes: int = 0                 # most saved-activation bytes alive at once
+    peak_sends_held: int = 0                       # most sent tensors kept alive at once
+    sent_messages: int = 0                         # point-to-point messages this rank sent
+    sent_bytes: int = 0                            # and their bytes
     overruns: int = 0                              # ops whose real work took longer than op_seconds
     outputs: list[torch.Tensor] = field(default_factory=list)   # last stage: each micro-batch's output
     losses: list[float] = field(default_factory=list)           # last stage: each micro-batch's loss
     clock: str = "perf_counter"                    # what measured the times
 
 
-def run_stage(stage: nn.Module, order: Sequence[tuple[str, int]], rank: int, world: int,
-              in_shape: tuple[tuple[int, ...], torch.dtype], inputs: Sequence[torch.Tensor] | None = None,
-              targets: Sequence[torch.Tensor] | None = None, loss_fn: LossFn | None = None,
-              op_seconds: dict[str, float] | None = None, device: torch.device | str = "cpu",
-              clock: Clock | None = None) -> StageRun:
-    """Run one stage's ``order`` of ``("F" | "B", micro-batch)`` ops; gradients accumulate in ``stage``.
+def run_stage(stage: nn.Module | Sequence[nn.Module], schedule: Schedule, rank: int, in_shape: Shape | Sequence[Shape],
+              inputs: Sequence[torch.Tensor] | None = None, targets: Sequence[torch.Tensor] | None = None,
+              loss_fn: LossFn | None = None, op_seconds: dict[str, float] | None = None,
+              device: torch.device | str = "cpu", clock: Clock | None = None,
+              weights: Callable[[int], dict[str, torch.Tensor]] | None = None,
+              after_backward: Callable[[int], None] | None = None) -> StageRun:
+    """Run ``schedule[rank]``, this rank's ops; gradients accumulate in ``stage`` (chapter 07).
 
-    ``inputs`` (first stage) and ``targets`` with ``loss_fn`` (last stage) are
-    lists with one tensor per micro-batch. The loss of each micro-batch is
-    divided by their number, so the summed gradients equal those of the mean
-    loss over the whole batch. ``op_seconds`` pads each op to a fixed time.
-    ``clock`` times the ops (default ``clock_for(device)``: CUDA events on a
-    GPU); make it before the barrier that starts the ranks together.
+    ``stage`` is this rank's module, or its ``v`` chunks for an interleaved
+    schedule (``in_shape`` then one per chunk). ``inputs`` (rank 0) and
+    ``targets`` with ``loss_fn`` (rank ``p - 1``) hold one tensor per
+    micro-batch. Each micro-batch's loss is divided by their number, so the
+    summed gradients equal those of the mean loss over the whole batch (not
+    with ``after_backward``, where each micro-batch makes a step of its own).
+    ``op_seconds`` pads each op to a fixed time. ``clock`` times the ops
+    (default ``clock_for(device)``: CUDA events on a GPU); make it before the
+    barrier that starts the ranks together. PipeDream (``pipedream``) hooks in
+    with ``weights(i)`` (the parameters micro-batch ``i``'s forward runs on:
+    a stashed copy) and ``after_backward(i)`` (apply its gradient, step).
     """
-    if any(len(o) != 2 or o[0] not in ("F", "B") for o in order):
-        raise ValueError("this executor runs GPipe and 1F1B orders, one model chunk per device: (op, micro-batch) "
-                         "pairs with op 'F' or 'B'. Interleaved and zero-bubble schedules are simulated only "
-                         "(pipeline.simulate); torch.distributed.pipelining runs them (ScheduleInterleaved1F1B).")
+    world = len(schedule)
+    _, _, split = check_schedule(schedule)
+    order = [tuple(o) for o in schedule[rank]]
+    v = num_chunks(schedule)
+    chunks = list(stage) if isinstance(stage, (list, tuple)) else [stage]
+    shapes = list(in_shape) if v > 1 else [in_shape]
+    if len(chunks) != v or len(shapes) != v:
+        raise ValueError(f"the schedule has {v} model chunks per rank: pass {v} modules and {v} input shapes")
+    if v > 1 and world < 2:
+        raise ValueError("interleaving needs at least 2 ranks (a micro-batch goes round them v times)")
+    if (weights or after_backward) and (v > 1 or split):
+        raise ValueError("weight stashing and per-micro-batch updates run on plain 1F1B orders (one chunk, no W)")
     first, last = rank == 0, rank == world - 1
-    num_mb = len({i for _, i in order})
+    num_mb = len({o[1] for o in order})
+    # one step per micro-batch (PipeDream): its own mean loss; else the batch's mean over micro-batches
+    div = 1 if after_backward else num_mb
     if first and (inputs is None or len(inputs) != num_mb):
         raise ValueError(f"the first stage needs one input per micro-batch ({num_mb})")
     if last and (targets is None or loss_fn is None or len(targets) != num_mb):
         raise ValueError(f"the last stage needs loss_fn and one target per micro-batch ({num_mb})")
     clock = clock or clock_for(device)
-    params = list(stage.parameters())
-    batches = message_batches(order, rank, world)
-    in_flight: list[tuple[comm.Exchange, torch.Tensor]] = []  # sends, with their tensors kept alive until done
-    stash: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # mb -> (input, output or loss, bytes)
+    params = [list(ch.parameters()) for ch in chunks]
+    batches = message_batches(order, rank, world, v)
+    releases = send_releases(schedule, rank) if world > 1 else [None] * len(order)
+    held: dict[int, tuple[comm.Exchange, torch.Tensor]] = {}   # op k -> its send, tensor kept until it is done
+    graphs: dict[tuple[int, int], list] = {}        # (mb, chunk) -> [input, output or loss, bytes, grad]
     marks, pads, outputs, losses = [], [], [], []   # resolved into seconds at the end (on CUDA that syncs)
-    alive_bytes = peak_inflight = peak_bytes = 0
+    alive_bytes = peak_inflight = peak_bytes = peak_held = 0
     outgoing: torch.Tensor | None = None            # what the previous op sends
+    traffic = [0, 0]                                # messages and bytes sent
     start = clock.start()
 
     def post(k: int, buf: torch.Tensor | None) -> comm.Exchange:
         """Batch k: the previous op's send and this op's receive into ``buf``, posted together."""
+        nonlocal peak_held
         sends, recvs = batches[k]
         ex = comm.exchange([comm.Message(outgoing, *s) for s in sends], [comm.Message(buf, *r) for r in recvs])
         if sends:
-            in_flight.append((ex, outgoing))
+            traffic[0], traffic[1] = traffic[0] + 1, traffic[1] + outgoing.nbytes
+            held[k - 1] = (ex, outgoing)
+            peak_held = max(peak_held, len(held))
         return ex
 
-    for k, (op, i) in enumerate(order):
+    def release(k: int) -> None:
+        """Op k's receive is in: free every send that it proves delivered."""
+        for j in [j for j in held if releases[j] is not None and releases[j] <= k]:
+            held.pop(j)[0].wait()                 # returns at once: the peer has the message
+
+    for k, (op, i, *rest) in enumerate(order):
+        c = rest[0] if rest else 0
+        vs = c * world + rank
+        at_start, at_end = vs == 0, vs == world * v - 1
         if op == "F":
-            if first:
+            if at_start:
                 post(k, None)
                 x = inputs[i].to(device)
             else:                                         # wait (idle) for the previous stage
-                shape, dtype = in_shape
+                shape, dtype = shapes[c]
                 x = torch.empty(shape, dtype=dtype, device=device)
                 post(k, x).wait_received()
+                release(k)
                 x.requires_grad_(True)                    # we will send its gradient back
             began = clock.mark()
             holder: list[torch.Tensor] = []
-            nbytes = saved_activation_bytes(lambda: holder.append(stage(x)), exclude=params)
+            w = weights(i) if weights else None           # PipeDream: this micro-batch's stashed copy
+            run = (lambda: holder.append(torch.func.functional_call(chunks[c], w, (x,)))) if w is not None \
+                else (lambda: holder.append(chunks[c](x)))
+            nbytes = saved_activation_bytes(run, exclude=params[c] + list((w or {}).values()))
             y = holder[0]
-            if last:
-                loss = loss_fn(y, targets[i].to(device)) / num_mb
+            if at_end:
+                loss = loss_fn(y, targets[i].to(device)) / div
                 outputs.append(y.detach())
                 losses.append(loss.detach())
-            stash[i] = (x, loss if last else y, nbytes)
+            graphs[(i, c)] = [x, loss if at_end else y, nbytes, None]
             alive_bytes += nbytes
-            peak_inflight, peak_bytes = max(peak_inflight, len(stash)), max(peak_bytes, alive_bytes)
-            outgoing = None if last else y.detach().contiguous()
-        else:
-            x, y, nbytes = stash.pop(i)
-            if last:
+            peak_inflight, peak_bytes = max(peak_inflight, len(graphs)), max(peak_bytes, alive_bytes)
+            outgoing = None if at_end else y.detach().contiguous()
+        elif op == "B":
+            x, y, nbytes, _ = graphs[(i, c)]
+            if at_end:
                 post(k, None)
-                began = clock.mark()
-                y.backward()                              # y is this micro-batch's loss / m
+                grad = None                               # y is this micro-batch's loss / m
             else:                                         # wait (idle) for the next stage's gradient
                 grad = torch.empty_like(y)
                 post(k, grad).wait_received()
-                began = clock.mark()
+                release(k)
+            began = clock.mark()
+            if not split:                                 # input and weight gradients in one pass
                 y.backward(grad)
-            alive_bytes -= nbytes                         # the graph of micro-batch i is freed here
-            outgoing = None if first else x.grad.contiguous()
+                graphs.pop((i, c))
+                alive_bytes -= nbytes                     # the graph of micro-batch i is freed here
+                if after_backward:
+                    after_backward(i)
+            else:                                         # the input gradient only; keep the graph for W
+                graphs[(i, c)][3] = grad
+                if not at_start:
+                    x.grad, = torch.autograd.grad(y, x, grad, retain_graph=True)
+            outgoing = None if at_start else x.grad.contiguous()
+        else:                                             # W: the weight gradient, deferred
+            post(k, None)
+            x, y, nbytes, grad = graphs.pop((i, c))
+            began = clock.mark()
+            # autograd walks the stage's graph again to reach the weights (the input-gradient chain
+            # inside the stage is recomputed; torch's pipelining keeps those intermediate gradients).
+            y.backward(grad, inputs=params[c])
+            alive_bytes -= nbytes
+            outgoing = None
         if op_seconds is not None:                    # the op's time is up before its result leaves
             pads.append(clock.pad(began, op_seconds[op]))
-        marks.append((op, i, began, clock.mark()))
+        marks.append((op, i, began, clock.mark(), c))
     post(len(order), None)
-    for ex, _ in in_flight:
+    for ex, _ in held.values():
         ex.wait()
     end = clock.mark()
     return StageRun(rank, clock.seconds(start), clock.seconds(end),
-                    busy=[(op, i, clock.seconds(b), clock.seconds(e)) for op, i, b, e in marks],
-                    peak_inflight=peak_inflight, peak_activation_bytes=peak_bytes,
+                    busy=[(op, i, clock.seconds(b), clock.seconds(e)) for op, i, b, e, _ in marks],
+                    busy_chunks=[c for *_, c in marks], peak_inflight=peak_inflight,
+                    peak_activation_bytes=peak_bytes, peak_sends_held=peak_held,
+                    sent_messages=traffic[0], sent_bytes=traffic[1],
                     overruns=sum(clock.overran(t) for t in pads), outputs=[o.cpu() for o in outputs],
-                    losses=[loss.item() * num_mb for loss in losses], clock=clock.name)
+                    losses=[loss.item() * div for loss in losses], clock=clock.name)
 
 
 def measured_bubble(runs: Sequence[StageRun]) -> dict[str, float]:
@@ -233,6 +271,6 @@ def measured_bubble(runs: Sequence[StageRun]) -> dict[str, float]:
     """
     start = min(r.start for r in runs)
     makespan = max(r.end for r in runs) - start
-    busy = [sum(e - b for _, _, b, e in r.busy) for r in runs]
+    busy = [sum(t[3] - t[2] for t in r.busy) for r in runs]
     return {"makespan": makespan, "bubble_fraction": 1.0 - sum(busy) / (len(runs) * makespan),
             "busy": busy}

@@ -20,8 +20,8 @@ from course_lib.planner.config import Config, pass_key
 from course_lib.planner.measure import (BatchFn, Layers, LmHead, Measurements, calibrate, default_batch, lm_head,
                                         tp_sizes, transformer_layers)
 from course_lib.planner.predict import (DEFAULT_BANDWIDTH, DEFAULT_HOST_BANDWIDTH, DEFAULT_TP_BANDWIDTH,
-                                        FORWARD_SHARE, block_saves, comm_bytes, offload_bytes, predict_peak,
-                                        predict_step_time, tp_comm_bytes, tp_shares)
+                                        FORWARD_SHARE, block_saves, comm_bytes, offload_bytes, pipeline_terms,
+                                        predict_peak, predict_step_time, tp_comm_bytes, tp_shares)
 from course_lib.planner.search import (DEFAULT_HEADROOM, MIN_CHUNK_TOKENS, TIMING_MAX_MICRO, Candidate, MiB, Plan,
                                        plan, segment_options)
 from course_lib.planner.experts import ExpertLayout, plan_experts, predict_experts
@@ -35,7 +35,7 @@ __all__ = [
     "BatchFn", "Layers", "LmHead", "Measurements", "calibrate", "default_batch", "lm_head", "tp_sizes",
     "transformer_layers",
     "DEFAULT_BANDWIDTH", "DEFAULT_HOST_BANDWIDTH", "DEFAULT_TP_BANDWIDTH", "FORWARD_SHARE", "block_saves",
-    "comm_bytes", "offload_bytes", "predict_peak", "predict_step_time", "tp_comm_bytes", "tp_shares",
+    "comm_bytes", "offload_bytes", "pipeline_terms", "predict_peak", "predict_step_time", "tp_comm_bytes", "tp_shares",
     "DEFAULT_HEADROOM", "MIN_CHUNK_TOKENS", "TIMING_MAX_MICRO", "Candidate", "MiB", "Plan", "plan",
     "segment_options",
     "ExpertLayout", "plan_experts", "predict_experts", "cp_comm_bytes", "cp_in_flight_bytes",

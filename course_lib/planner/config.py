@@ -3,8 +3,9 @@
 Each field is a lever an earlier chapter explains: the precision (chapter 05's bf16 autocast), the micro-batch
 and its accumulation steps (chapters 02-03), the checkpoint segments (chapter 05), the ZeRO stage (chapter 08),
 the tensor-parallel size and sequence parallelism (chapter 09), fused attention, offloading and the loss in
-chunks (chapter 10), the context-parallel and expert-parallel sizes (chapter 11). ``pass_key`` names the forward/backward pass a configuration runs: ``measure`` measures one
-per precision and attention kernel, and ``predict`` reads its lines under that name.
+chunks (chapter 10), the pipeline stages and their interleaving (chapter 07), the context-parallel and
+expert-parallel sizes (chapter 11). ``pass_key`` names the forward/backward pass a configuration runs: ``measure``
+measures one per precision and attention kernel, and ``predict`` reads its lines under that name.
 """
 
 from __future__ import annotations
@@ -28,8 +29,13 @@ class Config:
     loss_chunks: int = 1    # the loss over the vocabulary in this many token chunks (chapter 10); 1 = whole
     cp: int = 1             # context-parallel ranks sharing each sequence: ring attention (chapter 11)
     ep: int = 1             # expert-parallel ranks sharing a mixture of experts' experts (chapter 11)
+    pp: int = 1             # pipeline stages (chapter 07): the blocks cut into pp stages, the micro-batches run 1F1B
+    virtual_stages: int = 1  # with pp > 1: model chunks per stage, interleaved 1F1B (chapter 07); 1 = plain 1F1B
 
     def __post_init__(self) -> None:
+        if self.pp < 1 or self.virtual_stages < 1 or (self.virtual_stages > 1 and self.pp == 1):
+            raise ValueError(f"pp and virtual_stages must be >= 1, and interleaving needs a pipeline (pp > 1); got "
+                             f"pp={self.pp}, virtual_stages={self.virtual_stages}")
         if self.loss_chunks < 1:
             raise ValueError(f"loss_chunks must be >= 1, got {self.loss_chunks}")
         if self.offload and (self.segments > 1 or self.zero_stage == 3):
@@ -55,6 +61,9 @@ class Config:
         ckpt = "no checkpointing" if self.segments == 1 else f"checkpointing in {self.segments} segments"
         text = (f"{self.precision}, micro-batch {self.micro_batch} x {self.accumulation_steps} accumulation "
                 f"steps, {ckpt}, ZeRO stage {self.zero_stage}")
+        if self.pp > 1:
+            text += f", pipeline over {self.pp} stages" + (f" of {self.virtual_stages} interleaved chunks"
+                                                          if self.virtual_stages > 1 else " (1F1B)")
         if self.tp > 1:
             text += f", tensor parallel over {self.tp}"
             text += " with sequence parallelism" if self.sequence_parallel else ""

@@ -16,6 +16,7 @@ parallelism's per-layer collectives at an intra-node one. Context parallelism ov
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from course_lib import chunked_loss, offload
@@ -87,6 +88,40 @@ def block_saves(meas: Measurements, config: Config) -> tuple[float, float, float
     return const, per_sample * kept, boundary / (config.tp if sp else 1)
 
 
+def pipeline_terms(config: Config, n_blocks: int) -> dict:
+    """Chapter 07's costs of ``config``'s ``pp``-stage pipeline (``virtual_stages = v``; ``A`` = accumulation steps).
+
+    The ``A`` micro-batches of a step run 1F1B: ``bubble`` ``(p-1)/(v A + p-1)``; ``inflight``, the micro-batches
+    whose activations the first stage holds, ``min(p, A)`` (interleaved: ``p (1 + (p-1)/(p v))``, Korthikanti et
+    al. 2022); ``crossings``, stage boundaries one micro-batch crosses forward and back, ``2 (p v - 1)``.
+    """
+    p, v, a = config.pp, config.virtual_stages, config.accumulation_steps
+    if n_blocks % (p * v):
+        raise ValueError(f"{n_blocks} blocks do not cut into {p} stages of {v} chunks: choose pp x virtual_stages "
+                         f"dividing {n_blocks}")
+    if v > 1 and a % p:
+        raise ValueError(f"interleaved 1F1B runs micro-batches in groups of pp = {p}: use a number of "
+                         f"accumulation steps that is a multiple of {p} (got {a})")
+    inflight = min(p, a) if v == 1 else p * (1 + (p - 1) / (p * v))
+    return {"bubble": (p - 1) / (v * a + p - 1), "inflight": inflight, "crossings": 2 * (p * v - 1)}
+
+
+def _pipeline_peak(meas: Measurements, config: Config, world_size: int) -> dict:
+    """The first stage's peak: ``1/p`` of the model states, and ``inflight`` micro-batches of ``1/p`` of one pass's
+    activations (an upper estimate: the constant part of a pass, the causal mask, is counted with them)."""
+    p = config.pp
+    if world_size % p:
+        raise ValueError(f"{p} pipeline stages do not divide the {world_size} ranks")
+    terms = pipeline_terms(config, meas.n_blocks)
+    whole = predict_peak(meas, dataclasses.replace(config, pp=1, virtual_stages=1), world_size // p)
+    scale = terms["inflight"] / p if whole["where"] == "forward/backward" else 1 / p
+    out = {k: int(math.ceil(whole[k] / p)) for k in ("params", "grads", "optimizer")}
+    out.update(batch=whole["batch"], transient=int(math.ceil(whole["transient"] * scale)))
+    out["total"] = sum(out.values())
+    out["where"] = whole["where"]
+    return out
+
+
 def predict_peak(meas: Measurements, config: Config, world_size: int = 1) -> dict:
     """Predicted peak bytes on one rank: ``params, grads, optimizer, batch, transient, total`` and ``where``.
 
@@ -98,6 +133,8 @@ def predict_peak(meas: Measurements, config: Config, world_size: int = 1) -> dic
     (an upper estimate: the backward brings them back one node at a time), and a chunked loss replaces the
     measured peak of the whole loss by ``chunked_loss.predict_loss_peak``.
     """
+    if config.pp > 1:
+        return _pipeline_peak(meas, config, world_size)
     n, k, m, s = meas.n_blocks, config.segments, config.micro_batch, config.zero_stage
     N, share, block_share = tp_shares(meas, config, world_size)  # N: the ranks ZeRO shards over
     c, slope = _measured(meas, "fb", config)
@@ -202,8 +239,17 @@ def predict_step_time(meas: Measurements, config: Config, world_size: int = 1,
     """Predicted seconds of one optimizer step: good for ranking configurations, rough in absolute terms.
 
     ``bandwidth``: bytes per second of data parallelism's collectives; ``tp_bandwidth``: of tensor parallelism's;
-    ``host_bandwidth``: of offloading's copies. A chunked loss runs the head's matmul once more (chapter 10).
+    ``host_bandwidth``: of offloading's copies. A chunked loss runs the head's matmul once more (chapter 10). A
+    pipeline (``pp > 1``) divides the work by ``p`` and the time by ``1 - bubble`` (``pipeline_terms``), and
+    adds its point-to-point messages at ``tp_bandwidth`` (its stages sit in one node).
     """
+    if config.pp > 1:  # each stage runs 1/p of the work, idles the bubble, and passes boundaries on
+        terms = pipeline_terms(config, meas.n_blocks)
+        whole = predict_step_time(meas, dataclasses.replace(config, pp=1, virtual_stages=1), world_size // config.pp,
+                                  bandwidth, tp_bandwidth, host_bandwidth)
+        boundary = meas.boundary_per_sample.get(config.pass_key, 0.0) * config.micro_batch
+        p2p = terms["crossings"] / config.pp * config.accumulation_steps * boundary  # per rank, at intra-node speed
+        return whole / config.pp / (1 - terms["bubble"]) + p2p / tp_bandwidth
     alpha, beta = _measured(meas, "time", config)
     dp, share, _ = tp_shares(meas, config, world_size)
     # a TP rank runs 1/t of the blocks' FLOPs and all the rest (embedding, head, loss)

@@ -25,7 +25,7 @@ from course_lib.planner.config import Config
 from course_lib.planner.measure import (BatchFn, Measurements, calibrate, default_batch, lm_head, tp_sizes,
                                         transformer_layers)
 from course_lib.planner.predict import (DEFAULT_BANDWIDTH, DEFAULT_HOST_BANDWIDTH, DEFAULT_TP_BANDWIDTH,
-                                        offload_bytes, predict_peak, predict_step_time)
+                                        offload_bytes, pipeline_terms, predict_peak, predict_step_time)
 from course_lib.planner.step import LossFn
 
 MiB = 2**20
@@ -122,13 +122,26 @@ def _switch(name: str, wanted: bool | None, pays: bool, runs: bool, needs: str) 
     return [False, True] if runs and (pays if wanted is None else wanted) else [False]
 
 
+def _pipelines(meas: Measurements, config: Config) -> bool:
+    """Whether ``config``'s pipeline can run: its stages cut the blocks, interleaving gets whole groups."""
+    try:
+        return config.pp == 1 or pipeline_terms(config, meas.n_blocks) is not None
+    except ValueError:
+        return False
+
+
 def _largest_fitting(meas: Measurements, shape: Config, per_rank: int, world_size: int, usable: int,
-                     speed: Callable[[Config], float]) -> Candidate:
+                     speed: Callable[[Config], float]) -> Candidate | None:
     """``shape`` at the largest micro-batch dividing ``per_rank`` whose predicted peak fits ``usable`` bytes."""
     cfgs = [dataclasses.replace(shape, micro_batch=m, accumulation_steps=per_rank // m)
             for m in range(1, per_rank + 1) if per_rank % m == 0]
+    cfgs = [c for c in cfgs if _pipelines(meas, c)]
+    if not cfgs:
+        return None
     ok = [c for c in cfgs if predict_peak(meas, c, world_size)["total"] <= usable]
     cfg = ok[-1] if ok else cfgs[0]  # the largest micro-batch: fewest passes, least fixed cost
+    if ok and shape.pp > 1:  # a pipeline also wants many micro-batches (its bubble): the fastest that fits
+        cfg = max(ok, key=speed)
     return Candidate(cfg, bool(ok), predict_peak(meas, cfg, world_size), speed(cfg) if ok else 0.0)
 
 
@@ -138,7 +151,8 @@ def plan(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, mem
          headroom: float = DEFAULT_HEADROOM, bandwidth: float = DEFAULT_BANDWIDTH,
          bucket_cap_mb: float = DEFAULT_BUCKET_MB, tensor_parallel: bool = True, sequence_parallel: bool = True,
          tp_bandwidth: float = DEFAULT_TP_BANDWIDTH, fused: bool | None = None, chunk_loss: bool | None = None,
-         offload: bool | None = None, host_bandwidth: float = DEFAULT_HOST_BANDWIDTH) -> Plan:
+         offload: bool | None = None, host_bandwidth: float = DEFAULT_HOST_BANDWIDTH, pipeline_stages: int = 1,
+         virtual_stages: tuple[int, ...] = (1,)) -> Plan:
     """The fastest predicted configuration whose peak bytes per device fit ``memory_budget_bytes``, with Adam.
 
     ``global_batch`` samples of shape ``sample_shape`` per step are split evenly over the data-parallel ranks; each
@@ -157,6 +171,10 @@ def plan(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, mem
     ``host_bandwidth``, where it pays on a GPU. On a CPU machine the host is the device's own memory: there
     ``offload=True`` plans chapter 10's simulation (``offload.OffloadToHost``), which saves nothing real.
 
+    ``pipeline_stages = p > 1`` cuts the blocks into ``p`` pipeline stages on ``p`` of the ranks (chapter 07), the
+    others data-parallel; each of ``virtual_stages`` is tried (``v > 1``: interleaved 1F1B, for a smaller bubble
+    and more activations in flight), where it cuts the blocks and the accumulation steps come in groups of ``p``.
+
     ``loss_fn`` and ``make_batch(m) -> (inputs, targets)`` default to ``default_batch``'s. The model is measured in
     place on ``device`` (default: where its parameters are) and left as it was. Raises ``ValueError`` when
     nothing fits, saying what the smallest needs.
@@ -165,7 +183,11 @@ def plan(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, mem
     if world_size < 1 or global_batch < 1 or memory_budget_bytes <= 0 or not 0 <= headroom < 1:
         raise ValueError(f"need world_size >= 1, global_batch >= 1, a positive budget and 0 <= headroom < 1; "
                          f"got {world_size}, {global_batch}, {memory_budget_bytes}, {headroom}")
-    sizes = _layouts(model, tuple(sample_shape), global_batch, world_size, tensor_parallel, sequence_parallel)
+    if pipeline_stages < 1 or world_size % pipeline_stages or not virtual_stages or min(virtual_stages) < 1:
+        raise ValueError(f"pipeline_stages must divide world_size ({world_size}) and virtual_stages be >= 1; got "
+                         f"{pipeline_stages}, {virtual_stages}")
+    pp, vs = pipeline_stages, (tuple(virtual_stages) if pipeline_stages > 1 else (1,))
+    sizes = _layouts(model, tuple(sample_shape), global_batch, world_size // pp, tensor_parallel, sequence_parallel)
     usable = int(memory_budget_bytes * (1 - headroom))
     budget_text = f"{memory_budget_bytes / MiB:.1f} MiB per device ({usable / MiB:.1f} usable)"
     states = 4 * memory.param_bytes(model) / world_size  # weights, gradients, Adam's 2 moments: ZeRO-3 at best
@@ -206,22 +228,27 @@ def plan(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, mem
     for prec, kernel, k, t in itertools.product(precisions, kernels, segment_options(meas.n_blocks), sizes):
         if kernel and t > 1:
             continue
-        dp = world_size // t
+        dp = world_size // (t * pp)
         per_rank = global_batch // dp
         # TP runs with FSDP2 over the data-parallel ranks (chapter 09); plain data parallelism takes any stage
         stages = [0] if dp == 1 else [0, 1, 2, 3] if t == 1 else [3]
         for s in stages:
             for off in offloads if t == 1 and k == 1 and s < 3 else [False]:
-                shape = Config(prec, 1, per_rank, k, s, t, sequence_parallel and t > 1, kernel, off)
-                listed = None
-                for chunks in chunk_counts if t == 1 else [1]:
-                    c = _largest_fitting(meas, dataclasses.replace(shape, loss_chunks=chunks), per_rank, world_size,
-                                         usable, speed)
-                    # more chunks cost a matmul of the head: listed only where they let a larger micro-batch fit
-                    larger = listed is None or not listed.fits or c.config.micro_batch > listed.config.micro_batch
-                    if listed is None or c.fits and larger:
-                        candidates.append(c)
-                        listed = c
+                for v in vs:
+                    shape = Config(prec, 1, per_rank, k, s, t, sequence_parallel and t > 1, kernel, off, pp=pp,
+                                   virtual_stages=v)
+                    listed = None
+                    for chunks in chunk_counts if t == 1 else [1]:
+                        c = _largest_fitting(meas, dataclasses.replace(shape, loss_chunks=chunks), per_rank,
+                                             world_size, usable, speed)
+                        if c is None:
+                            continue
+                        # more chunks cost a matmul of the head: listed only where they let a larger micro-batch fit
+                        larger = (listed is None or not listed.fits
+                                  or c.config.micro_batch > listed.config.micro_batch)
+                        if listed is None or c.fits and larger:
+                            candidates.append(c)
+                            listed = c
     fits = sorted((c for c in candidates if c.fits), key=lambda c: -c.samples_per_s)
     if not fits:
         small = min(candidates, key=lambda c: c.peak["total"])
@@ -233,15 +260,22 @@ def plan(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, mem
                          f"least {small.peak['total'] / (1 - headroom) / MiB:.1f} MiB, a smaller model or shorter "
                          f"samples, or more ranks ({more}).")
     best, cfg = fits[0], fits[0].config
-    dp, per_rank = world_size // cfg.tp, global_batch // (world_size // cfg.tp)
+    dp = world_size // (cfg.tp * cfg.pp)
+    per_rank = global_batch // dp
     mesh = f" on {dp} data-parallel x {cfg.tp} tensor-parallel ranks" if cfg.tp > 1 else ""
     why = [f"Chosen: {cfg.describe()}{mesh}. Predicted peak {best.peak['total'] / MiB:.1f} MiB of {budget_text} "
            f"({_parts(best.peak)} MiB; the peak is in the {best.peak['where']}), about {best.samples_per_s:.0f} "
            "samples/s."]
-    bigger = [m for m in range(cfg.micro_batch + 1, per_rank + 1) if per_rank % m == 0]
+    bigger = [dataclasses.replace(cfg, micro_batch=m, accumulation_steps=per_rank // m)
+              for m in range(cfg.micro_batch + 1, per_rank + 1) if per_rank % m == 0]
+    bigger = [c for c in bigger if _pipelines(meas, c)]
     if bigger:
-        nxt = dataclasses.replace(cfg, micro_batch=bigger[0], accumulation_steps=per_rank // bigger[0])
-        why.append(f"Micro-batch {bigger[0]} would need {predict_peak(meas, nxt, world_size)['total'] / MiB:.1f} MiB.")
+        nxt = bigger[0]
+        need = predict_peak(meas, nxt, world_size)["total"]
+        fits_too = "" if need > usable else (  # a pipeline: it fits, but needs more micro-batches for its bubble
+            f" and leave the pipeline a bubble of {pipeline_terms(nxt, meas.n_blocks)['bubble']:.2f}, not "
+            f"{pipeline_terms(cfg, meas.n_blocks)['bubble']:.2f}")
+        why.append(f"Micro-batch {nxt.micro_batch} would need {need / MiB:.1f} MiB{fits_too}.")
     if cfg.memory_options():
         plain = dataclasses.replace(cfg, fused=False, offload=False, loss_chunks=1)
         plain_peak, options = predict_peak(meas, plain, world_size)["total"], " and ".join(cfg.memory_options())

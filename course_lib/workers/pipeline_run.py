@@ -3,11 +3,13 @@
     torchrun --nproc-per-node 4 -m course_lib.workers.pipeline_run --schedules gpipe,1f1b --microbatches 8 --api both
 
 Each rank holds one stage of a ``TinyTransformer`` (its ``as_sequential()``
-form cut into ``p`` pieces). For every schedule and number of micro-batches
-the ranks run one training step with the hand-written executor
-(``pipeline_exec.run_stage``) and/or (``--api torch``) with
-``torch.distributed.pipelining`` (``PipelineStage`` with ``ScheduleGPipe`` or
-``Schedule1F1B``). Every rank also computes the whole model's step on the
+form cut into ``p`` pieces; ``interleaved``: ``p v`` pieces, rank ``d`` holding
+``d, d + p, ...``). For every schedule (``gpipe``, ``1f1b``, ``zb-h1``,
+``interleaved``) and number of micro-batches the ranks run one training step
+with the hand-written executor (``pipeline_exec.run_stage``) and/or
+(``--api torch``) with ``torch.distributed.pipelining`` (``PipelineStage``
+with ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``, and for
+``zb-h1`` its nearest, ``ScheduleInterleavedZeroBubble``). Every rank also computes the whole model's step on the
 whole batch, so each run reports how far the pipeline's outputs and gradients
 are from the sequential ones, its measured bubble, its micro-batches and
 activation bytes in flight, and the busy intervals of every op (for a Gantt chart):
@@ -27,9 +29,11 @@ from course_lib.data import make_tokens
 from course_lib.distributed import launch
 from course_lib.distributed.clock import Clock, clock_for
 from course_lib.distributed.results import WorkerResult
-from course_lib.distributed.pipeline import bubble_formula, make_schedule, simulate
-from course_lib.distributed.pipeline_exec import (StageRun, boundary_shapes, measured_bubble, run_stage,
-                                                  split_sequential)
+from course_lib.distributed.pipeline import bubble_formula, make_schedule, simulate, zb_h1_bubble_formula
+from course_lib.distributed.pipeline_exec import (StageRun, boundary_shapes, measured_bubble, peak_sends_held,
+                                                  run_stage, split_sequential)
+
+KINDS = ("gpipe", "1f1b", "zb-h1", "interleaved")
 from course_lib.env import seed_everything
 from course_lib.models import TinyTransformer, lm_loss
 
@@ -38,10 +42,18 @@ def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v.strip()]
 
 
-def build(a: argparse.Namespace, world: int, m: int):
+def _names(text: str) -> list[str]:
+    return [k.strip() for k in text.split(",") if k.strip()]
+
+
+def _chunks(a: argparse.Namespace, kind: str) -> int:
+    return a.chunks if kind == "interleaved" else 1
+
+
+def build(a: argparse.Namespace, world: int, m: int, v: int = 1):
     """The same model and batch on every rank (same seed), and the sequential reference step."""
     seed_everything(a.seed)
-    layers = a.layers if a.layers > 0 else max(1, 2 * world - 2)   # 2 modules per stage with embed and head
+    layers = a.layers if a.layers > 0 else max(1, 2 * world * v - 2)   # 2 modules per (virtual) stage
     model = TinyTransformer(vocab=a.vocab, d_model=a.d_model, n_heads=a.heads, n_layers=layers,
                             max_len=a.seq_len)
     x, y = make_tokens(m * a.microbatch_size, a.seq_len, vocab=a.vocab, seed=a.seed)
@@ -51,9 +63,16 @@ def build(a: argparse.Namespace, world: int, m: int):
     return model, reference, x, y, logits.detach()
 
 
-def _max_grad_diff(stage: torch.nn.Module, ref_stage: torch.nn.Module) -> float:
-    diffs = [(p.grad - r.grad).abs().max().item() for p, r in zip(stage.parameters(), ref_stage.parameters())]
+def _max_grad_diff(stage: torch.nn.Module | list, ref_stage: torch.nn.Module | list) -> float:
+    stages, refs = (stage, ref_stage) if isinstance(stage, list) else ([stage], [ref_stage])
+    diffs = [(p.grad - r.grad).abs().max().item() for s, r_ in zip(stages, refs)
+             for p, r in zip(s.parameters(), r_.parameters())]
     return max(diffs, default=0.0)
+
+
+def _my_chunks(pieces: list, rank: int, world: int, v: int) -> list:
+    """Rank ``d`` holds virtual stages ``d, d + p, ..., d + (v - 1) p``."""
+    return [pieces[c * world + rank] for c in range(v)]
 
 
 @dataclass
@@ -71,10 +90,15 @@ class HandmadeRun(WorkerResult):
     peak_inflight: list[int]                # per stage
     peak_inflight_simulated: list[float]
     peak_activation_bytes: list[int]        # per stage
+    peak_sends_held: list[int]              # per stage: sent tensors kept alive at once
+    peak_sends_bound: list[int]             # per stage: what the schedule allows (pipeline_exec.peak_sends_held)
+    sent_messages: int                      # all ranks' point-to-point messages
+    sent_bytes: int
+    chunks: int
     overruns: int                           # ops whose work took longer than their padded time
     grad_max_abs_diff: float
     output_max_abs_diff: float
-    timings: list[tuple[int, str, int, float, float]]  # (stage, op, micro-batch, start, end), s from the start
+    timings: list[tuple[int, str, int, float, float, int]]  # (stage, op, micro-batch, start, end, chunk), s
     bubble_measured_all: list[float] = field(default_factory=list)  # every repeat's
 
 
@@ -88,6 +112,8 @@ class TorchApiRun(WorkerResult):
     grad_max_abs_diff: float
     output_max_abs_diff: float
     loss: float
+    schedule: str = ""                      # torch's class that ran
+    loss_reference: float = 0.0             # the sequential model's loss on the same batch
 
 
 @dataclass
@@ -102,22 +128,31 @@ class PipelineResult(WorkerResult):
 def handmade_step(a: argparse.Namespace, kind: str, m: int, rank: int, world: int, device: torch.device,
                   clock: Clock) -> HandmadeRun | None:
     """One step with the hand-written executor; rank 0 returns the whole run's figures, the others None."""
-    model, reference, x, y, ref_logits = build(a, world, m)
-    stages = split_sequential(model.as_sequential(), world)
-    ref_stage = split_sequential(reference.as_sequential(), world)[rank]
+    v = _chunks(a, kind)
+    model, reference, x, y, ref_logits = build(a, world, m, v)
+    pieces = split_sequential(model.as_sequential(), world * v)
+    refs = _my_chunks(split_sequential(reference.as_sequential(), world * v), rank, world, v)
     # separate tensors, as a data loader hands them out (a chunk is a view of the whole batch's storage)
     xs, ys = [c.clone() for c in x.chunk(m)], [c.clone() for c in y.chunk(m)]
-    shapes = boundary_shapes(stages, xs[0])
-    stage = stages[rank].to(device)
-    order = make_schedule(kind, world, m)[rank]
-    pad = None if a.t_forward_ms <= 0 else {"F": a.t_forward_ms / 1e3, "B": a.t_backward_ms / 1e3}
+    shapes = _my_chunks(boundary_shapes(pieces, xs[0]), rank, world, v)
+    mine_ = [c.to(device) for c in _my_chunks(pieces, rank, world, v)]
+    schedule = make_schedule(kind, world, m, chunks=v)
+    t_f, t_b = a.t_forward_ms / 1e3, a.t_backward_ms / 1e3
+    # A split backward is half input gradient, half weight gradient. A chunk's op would take 1/v of a
+    # stage's time; it is padded to the whole t_f / t_b instead: the bubble, a fraction, does not depend
+    # on the unit of time, and longer ops leave a shared machine's messaging delays less weight.
+    pad = None if a.t_forward_ms <= 0 else {"F": t_f, "B": t_b / (2 if kind == "zb-h1" else 1), "W": t_b / 2}
+    if pad and kind in _names(a.main_only):
+        pad = {op: a.main_pad_scale * t for op, t in pad.items()}
     dist.barrier()                                 # start together, so idle time is the schedule's
-    run = run_stage(stage, order, rank, world, shapes[rank], inputs=xs if rank == 0 else None,
-                    targets=ys if rank == world - 1 else None, loss_fn=lm_loss, op_seconds=pad, device=device,
-                    clock=clock)
-    mine = {"rank": run.rank, "start": run.start, "end": run.end, "busy": run.busy,
+    run = run_stage(mine_ if v > 1 else mine_[0], schedule, rank, shapes if v > 1 else shapes[0],
+                    inputs=xs if rank == 0 else None, targets=ys if rank == world - 1 else None, loss_fn=lm_loss,
+                    op_seconds=pad, device=device, clock=clock)
+    mine = {"rank": run.rank, "start": run.start, "end": run.end, "busy": run.busy, "chunks": run.busy_chunks,
             "peak_inflight": run.peak_inflight, "peak_activation_bytes": run.peak_activation_bytes,
-            "overruns": run.overruns, "grad_max_abs_diff": _max_grad_diff(stage.cpu(), ref_stage)}
+            "peak_sends_held": run.peak_sends_held, "sent_messages": run.sent_messages,
+            "sent_bytes": run.sent_bytes, "overruns": run.overruns,
+            "grad_max_abs_diff": _max_grad_diff([c.cpu() for c in mine_], refs)}
     if run.outputs:                                # the last stage compares the model's outputs
         mine["output_max_abs_diff"] = (torch.cat(run.outputs) - ref_logits).abs().max().item()
     gathered: list[dict] | None = [None] * world if rank == 0 else None  # type: ignore[list-item]
@@ -128,55 +163,70 @@ def handmade_step(a: argparse.Namespace, kind: str, m: int, rank: int, world: in
 
     meas = measured_bubble([StageRun(r["rank"], r["start"], r["end"], busy=r["busy"]) for r in runs])
     t0 = min(r["start"] for r in runs)
-    sim = simulate(make_schedule(kind, world, m), a.t_forward_ms or 1.0, a.t_backward_ms or 2.0)
+    sim = simulate(schedule, a.t_forward_ms or 1.0, a.t_backward_ms or 2.0)
+    formula = (zb_h1_bubble_formula(world, m, a.t_forward_ms or 1.0, a.t_backward_ms or 2.0) if kind == "zb-h1"
+               else bubble_formula(world, m, v))
     return HandmadeRun(
         kind=kind, p=world, m=m, padded=pad is not None,
         makespan_s=meas["makespan"], bubble_measured=meas["bubble_fraction"],
-        bubble_formula=bubble_formula(world, m), bubble_simulated=sim.bubble_fraction,
+        bubble_formula=formula, bubble_simulated=sim.bubble_fraction,
         peak_inflight=[r["peak_inflight"] for r in runs], peak_inflight_simulated=sim.peak_inflight,
         peak_activation_bytes=[r["peak_activation_bytes"] for r in runs],
-        overruns=sum(r["overruns"] for r in runs),
+        peak_sends_held=[r["peak_sends_held"] for r in runs],
+        peak_sends_bound=[peak_sends_held(schedule, s) for s in range(world)],
+        sent_messages=sum(r["sent_messages"] for r in runs), sent_bytes=sum(r["sent_bytes"] for r in runs),
+        chunks=v, overruns=sum(r["overruns"] for r in runs),
         grad_max_abs_diff=max(r["grad_max_abs_diff"] for r in runs),
         output_max_abs_diff=runs[-1]["output_max_abs_diff"],
-        # (stage, op, micro-batch, start, end) in seconds from the common start, for plots.gantt
-        timings=[(r["rank"], op, i, b - t0, e - t0) for r in runs for op, i, b, e in r["busy"]])
+        # (stage, op, micro-batch, start, end, chunk) in seconds from the common start, for plots.gantt
+        timings=[(r["rank"], op, i, b - t0, e - t0, c) for r in runs
+                 for (op, i, b, e), c in zip(r["busy"], r["chunks"])])
 
 
 def torch_api_step(a: argparse.Namespace, kind: str, m: int, rank: int, world: int,
                    device: torch.device) -> TorchApiRun | None:
     """The same step with ``torch.distributed.pipelining``; rank 0 returns the differences, the others None."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                              ScheduleInterleavedZeroBubble)
 
-    model, reference, x, y, ref_logits = build(a, world, m)
-    stage_mod = split_sequential(model.as_sequential(), world)[rank].to(device)
-    ref_stage = split_sequential(reference.as_sequential(), world)[rank]
-    stage = PipelineStage(stage_mod, stage_index=rank, num_stages=world, device=device)
+    # zb-h1 runs as torch's interleaved zero-bubble schedule (two chunks per rank), the one it ships for this
+    v = max(2, a.chunks) if kind == "zb-h1" else _chunks(a, kind)
+    model, reference, x, y, ref_logits = build(a, world, m, v)
+    mods = [c.to(device) for c in _my_chunks(split_sequential(model.as_sequential(), world * v), rank, world, v)]
+    refs = _my_chunks(split_sequential(reference.as_sequential(), world * v), rank, world, v)
+    stages = [PipelineStage(mod, stage_index=c * world + rank, num_stages=world * v, device=device)
+              for c, mod in enumerate(mods)]
     # scale_grads=True (the default) divides the summed micro-batch gradients by m:
     # with a mean loss per micro-batch that is the gradient of the whole batch's mean loss.
-    schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[kind](stage, n_microbatches=m, loss_fn=lm_loss)
+    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+           "zb-h1": ScheduleInterleavedZeroBubble}[kind]
+    schedule = cls(stages[0] if v == 1 else stages, n_microbatches=m, loss_fn=lm_loss)
     mine: dict = {}
-    if rank == 0:
-        schedule.step(x.to(device))
-    elif rank == world - 1:
-        losses: list[torch.Tensor] = []
+    losses: list[torch.Tensor] = []
+    if rank == 0:                                  # holds virtual stage 0 (and, interleaved, not the last)
+        out = schedule.step(x.to(device), target=y.to(device) if rank == world - 1 else None, losses=losses)
+    elif rank == world - 1:                        # holds the last virtual stage
         out = schedule.step(target=y.to(device), losses=losses)
+    else:
+        out = schedule.step()
+    if losses:
         mine["output_max_abs_diff"] = (out.detach().cpu() - ref_logits).abs().max().item()
         mine["loss"] = torch.stack(losses).mean().item()
-    else:
-        schedule.step()
-    mine["grad_max_abs_diff"] = _max_grad_diff(stage_mod.cpu(), ref_stage)
+    mine["grad_max_abs_diff"] = _max_grad_diff([mod.cpu() for mod in mods], refs)
     gathered: list[dict] | None = [None] * world if rank == 0 else None  # type: ignore[list-item]
     dist.gather_object(mine, gathered, dst=0)
     if rank != 0:
         return None
+    last = gathered[-1]  # type: ignore[index]
     return TorchApiRun(kind, world, m, grad_max_abs_diff=max(g["grad_max_abs_diff"] for g in gathered),  # type: ignore
-                       output_max_abs_diff=gathered[-1]["output_max_abs_diff"],  # type: ignore[index]
-                       loss=gathered[-1]["loss"])  # type: ignore[index]
+                       output_max_abs_diff=last["output_max_abs_diff"], loss=last["loss"], schedule=cls.__name__,
+                       loss_reference=lm_loss(ref_logits, y).item())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--schedules", default="gpipe,1f1b", help="comma-separated: gpipe, 1f1b")
+    parser.add_argument("--schedules", default="gpipe,1f1b", help="comma-separated: gpipe, 1f1b, zb-h1, interleaved")
+    parser.add_argument("--chunks", type=int, default=2, help="model chunks per rank of the interleaved schedule")
     parser.add_argument("--microbatches", default="8", help="comma-separated numbers of micro-batches")
     parser.add_argument("--microbatch-size", type=int, default=2, help="sequences per micro-batch")
     parser.add_argument("--seq-len", type=int, default=16)
@@ -190,15 +240,21 @@ def main() -> None:
                         help="the hand-written executor, torch.distributed.pipelining, or both")
     parser.add_argument("--torch-microbatches", default="",
                         help="micro-batch counts for torch.distributed.pipelining (default: --microbatches)")
+    parser.add_argument("--main-only", default="",
+                        help="schedules to run by hand only at the main number of micro-batches (the last of "
+                             "--torch-microbatches, else of --microbatches), not at every one")
+    parser.add_argument("--main-pad-scale", type=float, default=1.0,
+                        help="pad the --main-only schedules' ops this many times longer: a schedule with no slack "
+                             "(ZB-H1) lets every messaging delay add to its idle time")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run each padded step this often and keep the fastest (least disturbed) one")
     parser.add_argument("--seed", type=int, default=0)
     launch.add_timeout_arg(parser)
     a = parser.parse_args()
     kinds = [k.strip() for k in a.schedules.split(",") if k.strip()]
-    bad = [k for k in kinds if k not in ("gpipe", "1f1b")]
+    bad = [k for k in kinds if k not in KINDS]
     if bad:
-        raise ValueError(f"this worker runs the gpipe and 1f1b schedules; got {bad}")
+        raise ValueError(f"this worker runs the schedules {', '.join(KINDS)}; got {bad}")
     if a.repeats < 1:
         raise ValueError(f"--repeats must be at least 1; got {a.repeats}")
 
@@ -210,13 +266,18 @@ def main() -> None:
         # Warm-up, not measured: the first messages between two ranks open their
         # connection and the first backward initialises autograd, which would
         # otherwise count as idle time of the first measured run.
-        handmade_step(argparse.Namespace(**{**vars(a), "t_forward_ms": 0.0}), "1f1b", world, rank, world, device,
-                      clock)
+        # Each schedule gets its own (its chunks' first backward with a received gradient took seconds here).
         for kind in kinds:
-            for m in _ints(a.microbatches):
+            handmade_step(argparse.Namespace(**{**vars(a), "t_forward_ms": 0.0}), kind, world, rank, world, device,
+                          clock)
+        main_m = _ints(a.torch_microbatches or a.microbatches)[-1]
+        for kind in kinds:
+            for m in (_ints(a.microbatches) if kind not in _names(a.main_only) else [main_m]):
                 # On a shared machine another process can stall a rank for a while;
                 # the fastest of a few repeats is the one closest to the schedule itself.
-                tries = [handmade_step(a, kind, m, rank, world, device, clock) for _ in range(a.repeats)]
+                # (schedules run at one m only get at least 3 tries: they are few, and their ops shorter)
+                n = a.repeats if kind not in _names(a.main_only) else max(3, a.repeats)
+                tries = [handmade_step(a, kind, m, rank, world, device, clock) for _ in range(n)]
                 if rank == 0:
                     best = min(tries, key=lambda r: r.makespan_s)
                     best.bubble_measured_all = [r.bubble_measured for r in tries]
