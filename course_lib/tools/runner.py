@@ -267,8 +267,8 @@ def run(names: list[str] | None, profile: str, out: Path, cell_timeout: int | No
         print(f"[course] {nb.stem} ({i}/{len(notebooks)}) at profile {profile} ...", flush=True)
         r = execute(nb, profile, out, cell_timeout)
         status = "FAILED: " + r["error"].splitlines()[0][:300] if r["error"] else "ok"
-        print(f"[course] {nb.stem}: {status}, {duration(r['seconds'])}, {len(r['results'])} claims recorded",
-              flush=True)
+        print(f"[course] {nb.stem}: {status}, {duration(r['seconds'])} ({duration(r['cpu_seconds'])} of CPU time), "
+              f"{len(r['results'])} claims recorded", flush=True)
         runs.append(r)
     report_path = write_report(runs, profile, out)
     print(summary(runs, profile))
