@@ -44,6 +44,9 @@ import torch
 PROCESSES_ENV = "COURSE_PROCESSES"
 # How often the parent checks that its children are still alive while it waits, in seconds.
 POLL_S = 0.5
+# The default bound on a whole call: `course run`'s limit for one `cpu` cell (a loaded machine ran chapter 04's
+# runs 15x slower than idle cores); a child that dies is noticed within POLL_S whatever this is.
+TIMEOUT_S = 3 * 3600.0
 
 
 def cores() -> int:
@@ -87,7 +90,7 @@ def _child(fn: Callable, jobs: Sequence[tuple], tasks: Any, results: Any) -> Non
 
 
 def run_jobs(fn: Callable[..., Any], jobs: Sequence[tuple], processes: int | None = None,
-             timeout: float = 3600.0) -> list[Any]:
+             timeout: float = TIMEOUT_S) -> list[Any]:
     """``[fn(*job) for job in jobs]``, run ``processes`` jobs at a time (default: ``default_processes()``),
     each on one intra-op thread.
 
