@@ -93,11 +93,24 @@ def test_progress_line_on_a_terminal():
 
 
 def test_summary_and_durations():
-    runs = [{"notebook": "00_start_here.ipynb", "seconds": 9.6, "error": None},
-            {"notebook": "04_normalization.ipynb", "seconds": 190.0, "error": "boom"}]
+    runs = [{"notebook": "00_start_here.ipynb", "seconds": 9.6, "cpu_seconds": 8.0, "error": None},
+            {"notebook": "04_normalization.ipynb", "seconds": 190.0, "cpu_seconds": 320.0, "error": "boom"}]
     text = runner.summary(runs, "cpu")
-    assert text.splitlines()[0] == "[course] 2 notebook(s) at profile cpu in 3 min 20 s, 1 FAILED:"
-    assert "00_start_here" in text and "10 s  ok" in text and "3 min 10 s  FAILED" in text
+    lines = text.splitlines()
+    assert lines[0] == "[course] 2 notebook(s) at profile cpu in 3 min 20 s (5 min 28 s of CPU time), 1 FAILED:"
+    assert lines[1].split() == ["[course]", "notebook", "time", "CPU", "time", "status"]
+    assert lines[2].split()[1:] == ["00_start_here", "10", "s", "8", "s", "ok"]
+    # over the 3-minute budget at cpu, and said so; not at smoke, whose budget this is not
+    assert lines[3].endswith("3 min 10 s    5 min 20 s  FAILED (over the 3 min 00 s budget)")
+    assert "budget" not in runner.summary(runs, "smoke")
+
+
+def test_processes_note_says_cores_and_processes(monkeypatch):
+    monkeypatch.setenv("COURSE_PROCESSES", "3")
+    note = runner.processes_note("cpu")
+    assert f"{runner.parallel_runs.cores()} CPU core(s)" in note and "one at a time" in note
+    if runner.parallel_runs.can_fork():
+        assert "go 3 at a time" in note
     assert [runner.duration(s) for s in (0.4, 59.6, 61, 3600 + 125)] == ["0 s", "1 min 00 s", "1 min 01 s", "1 h 02 min"]
 
 
@@ -149,5 +162,6 @@ def test_runner_resolves_a_relative_output_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     result = runner.execute(nb, "smoke", Path("out"))
     assert result["error"] is None and result["results"] == {"ch99/x": 1}
+    assert 0 < result["cpu_seconds"] < 10 * result["seconds"]  # the kernel's own CPU time (it starts Python)
     assert (tmp_path / "out" / "results" / "00_tiny.jsonl").exists()
     assert not (tmp_path / "nb" / "out").exists()

@@ -40,6 +40,9 @@ def test_warmup_claims(profile):
     assert c["ch02/warmup_max_loss"] <= 1.2 * c["ch02/large_batch_first_loss"]
     assert c["ch02/warmup_test_error"] < 0.8
     assert c["ch02/warmup_gap_closed"] > 0.25
+    # the runs went through course_lib.parallel_runs: every one came back, each with its CPU time
+    timing = c["ch02/lr_runs_seconds"]
+    assert timing["runs"] == 3 * c["ch02/lr_seeds"] and timing["processes"] >= 1 and timing["cpu"] > 0
     if profile == "smoke":  # one seed and 96 large-batch steps: the rest needs the cpu profile
         return
     # at cpu, over nine seeds (4,000 images, 6 epochs): a run without warmup either stalls at chance or recovers to

@@ -44,36 +44,50 @@ def test_experiment_ran_and_at_full_profiles_bn_degrades_with_the_group(profile)
     c = notebook_claims("04")
     errors = c["ch04/test_error"]
     assert set(errors) == {"bn", "gn", "mabn"}
-    runs = [e for per in errors.values() for each in per.values() for e in each]
-    runs += c["ch04/mabn_per_device_error"] + [c["ch04/gn_compare_error"]]
+    per_device, gn_compare = c["ch04/mabn_per_device_error"], c["ch04/gn_compare_error"]
+    runs = [e for per in errors.values() for each in per.values() for e in each] + per_device + gn_compare
     assert all(0 <= e <= 1 for e in runs)
     assert len({tuple(each) for each in errors["gn"].values()}) == 1  # one GN run per seed serves every group size
-    for key in ("bn_rise", "gn_minus_bn_small", "mabn_per_device_minus_sequential"):
-        mean, se = c[f"ch04/{key}"]
-        assert -1 <= mean <= 1 and se >= 0
+    timing = c["ch04/experiment_seconds"]  # every run came back through course_lib.parallel_runs
+    assert timing["runs"] == len(runs) - len(errors["gn"]["2"]) and timing["processes"] >= 1 and timing["cpu"] > 0
+    # every difference carries its number of seeds; the per-device runs that ended at chance are named and left out
+    for key in ("bn_rise", "gn_minus_bn_large", "gn_minus_bn_small", "mabn_minus_bn_large", "mabn_rise",
+                "mabn_minus_bn_small", "gn_compare_minus_chosen"):
+        mean, se, n = c[f"ch04/{key}"]
+        assert -1 <= mean <= 1 and se >= 0 and n >= 1, key
+    diverged = c["ch04/mabn_per_device_diverged"]
+    assert len(diverged) <= len(per_device)
+    assert sum(e >= 0.85 for e in per_device) == len(diverged)
+    assert c["ch04/mabn_per_device_minus_sequential"][2] == len(per_device) - len(diverged)
     if profile == "smoke":  # a few steps of training: only the mechanism is asserted
         return
     # the batch (32), the optimizer and the steps are fixed; only the images per device that BN and MABN
-    # normalise over change (32, 2). Every claim is on seed-by-seed differences over 5 seeds, beyond twice their
-    # standard error: [mean, standard error]
-    assert len(errors["bn"]["2"]) >= 5 and len(c["ch04/mabn_per_device_error"]) >= 2
+    # normalise over change (32, 2). Every claim is on seed-by-seed differences, beyond twice their standard
+    # error: [mean, standard error, seeds]. Measured figures below: a loaded 2-core machine, one thread a run.
+    assert len(errors["bn"]["2"]) >= 5 and len(per_device) >= 5 and len(gn_compare) >= 3
 
-    def shown(key: str) -> float:
-        mean, se = c[f"ch04/{key}"]
-        assert se > 0 and abs(mean) > 2 * se, (key, mean, se)
+    def shown(key: str, seeds: int) -> float:
+        mean, se, n = c[f"ch04/{key}"]
+        assert n >= seeds and se > 0 and abs(mean) > 2 * se, (key, mean, se, n)
         return mean
 
-    # BN gets worse with 2 images per device (measured +4.8 +- 1.4 points: 7.6 % -> 12.5 %)
-    assert shown("bn_rise") > 0
+    # BN gets worse with 2 images per device (measured +4.8 +- 1.4 points over 5 seeds: 7.6 % -> 12.5 %)
+    assert shown("bn_rise", 5) > 0
     # GN, with groups of 2 channels, is ahead of BN at 2 images per device (measured -4.8 +- 0.7 points), as in
     # Wu & He; at 32 it is level with BN (measured +0.1 +- 1.0; the text says within the spread: not asserted)
-    assert shown("gn_minus_bn_small") < 0
-    # and groups of 4 channels were far worse on the first seed, beyond GN's seed-to-seed spread (measured 17.4 %
-    # against 7.9 %, seed-to-seed std 1.4): the group setting, not GN itself, put it behind BN before
-    assert c["ch04/gn_compare_minus_chosen_seed0"] > 2 * c["ch04/gn_seed_std"] > 0
-    # MABN with per-device buffers (16 steps old) is worse than with its groups run in sequence (one step old;
-    # measured 39.2 / 39.9 % against 24.3 / 16.9 % on seeds 0 and 1)
-    assert shown("mabn_per_device_minus_sequential") > 0
+    assert shown("gn_minus_bn_small", 5) < 0
+    # groups of 4 channels are far worse, seed by seed on three seeds (measured +10.1 +- 1.1 points)
+    assert shown("gn_compare_minus_chosen", 3) > 0
+    # MABN with per-device buffers (16 steps old) is worse than with its groups run in sequence (one step old), over
+    # the seeds that did not diverge, which must be most of them (measured: none diverged, +25.5 +- 7.7 points over
+    # 5 seeds), in training loss too (measured +0.65 +- 0.19 nats)
+    assert len(c["ch04/mabn_per_device_diverged"]) <= len(per_device) - 3
+    assert shown("mabn_per_device_minus_sequential", 3) > 0
+    assert shown("mabn_per_device_minus_sequential_loss", 3) > 0
+    assert c["ch04/mabn_sequential_diverged"] == []
     # MABN at 32 images (one group, a buffer of one batch) is behind BN in this short training (measured +7.2 +- 0.9
-    # points); its own rise to 2 images was within its spread (+1.3 +- 2.4: the text does not claim one)
-    assert shown("mabn_minus_bn_large") > 0
+    # points), and at 2 images it is not better than BN (measured +3.7 +- 2.2: not below BN by twice its error);
+    # its own rise to 2 images was within its spread (+1.3 +- 2.4: the text does not claim one)
+    assert shown("mabn_minus_bn_large", 5) > 0
+    mean, se, n = c["ch04/mabn_minus_bn_small"]
+    assert n >= 5 and mean > -2 * se
