@@ -476,8 +476,14 @@ import course_lib
 _root = pathlib.Path(course_lib.__file__).resolve().parent
 _targets = [_root, _root.parent, *[pathlib.Path(f) for f in {[str(f) for f in folders]!r}]]
 _targets += [pathlib.Path(p) for p in glob.glob("/tmp/course-grading-*/work")]
+def _folders(folder):
+    try:  # a folder the sandbox hides or forbids cannot even be listed
+        return [folder, *[p for p in folder.glob("*") if p.is_dir()]]
+    except OSError:
+        return [folder]
+
 for _folder in _targets:
-    for _sub in [_folder, *[p for p in _folder.glob("*") if p.is_dir()]]:
+    for _sub in _folders(_folder):
         try:
             (_sub / {token!r}).write_text("import os  # planted")
         except OSError:

@@ -138,7 +138,9 @@ def test_chapters_01_and_02_have_exercises():
     assert {"01_memory_anatomy", "02_batch_size"} <= names, names
     for path in SOLUTIONS:
         n = len(load_exercise(path.stem).questions)
-        assert 2 <= n <= 4, f"{path.name} has {n} questions; each exercise has two to four"
+        # two to four questions each; chapter 07's fifth asks about PipeDream's weight versions
+        most = 5 if path.stem.startswith("07_") else 4
+        assert 2 <= n <= most, f"{path.name} has {n} questions; each exercise has two to {most}"
 
 
 @pytest.fixture(scope="module")

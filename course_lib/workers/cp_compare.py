@@ -195,8 +195,8 @@ def train_task(cfg: RunConfig, device: torch.device) -> dict:
         dist.all_reduce(total)
         losses.append(total.item())
     sent_per_step = ring.counter.bytes / cfg.steps
-    held = {"params": memory.param_bytes(model), "grads": memory.grad_bytes(model),
-            "optimizer": memory.optimizer_state_bytes(opt)}
+    held = dict(params=memory.param_bytes(model), grads=memory.grad_bytes(model),
+                optimizer=memory.optimizer_state_bytes(opt))  # the states this rank holds, as chapter 01 counts them
     return {"ref_losses": ref_losses, "losses": losses, "seconds": gather_per_rank(seconds),
             "sent_per_step": sent_per_step, "peak": gather_per_rank(peak), "held": gather_per_rank(held)}
 
