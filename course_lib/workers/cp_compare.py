@@ -38,6 +38,7 @@ from course_lib.distributed.results import WorkerResult
 from course_lib.env import seed_everything
 from course_lib.models import TransformerBlock, lm_loss
 from course_lib.workers.zero_common import RunConfig, build_model, gather_per_rank, global_batch
+from course_lib.workers.zero_compare import reference
 
 TASKS = ("exact", "saved", "train", "api")
 
@@ -159,20 +160,13 @@ def saved_task(cfg: RunConfig, device: torch.device) -> dict[str, list[int]]:
 
 def train_task(cfg: RunConfig, device: torch.device) -> dict:
     """Adam steps of the whole model with CP (zigzag) against one process: losses, time, bytes, peak."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    one = build_model(cfg)
-    opt_one = torch.optim.Adam(one.parameters(), lr=cfg.lr)
+    ref_losses, _ = reference(cfg)  # one process, the whole batch: what the ring must equal
     model = build_model(cfg, device)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     ring = cp.Ring.of(cfg.seq_len)
-    ref_losses, losses, seconds = [], [], []
+    losses, seconds = [], []
     for step in range(cfg.steps):
         x, y = global_batch(cfg, step)
-        opt_one.zero_grad()
-        loss = lm_loss(one(x), y)
-        loss.backward()
-        opt_one.step()
-        ref_losses.append(loss.item())
         dist.barrier()
         t0 = time.perf_counter()
 
