@@ -497,6 +497,33 @@ IN_KERNEL = [ALWAYS_EQUAL, PATCHED_TORCH, TENSOR_SUBCLASS, REDEFINED_ABS, AST_TR
 LIMITS = [FORK_STORM, MEMORY_HOG, DISK_FILLER]   # each must score zero, with the limit named as the reason
 
 
+class Listener:
+    """A TCP server on the grader's localhost: counts who connects and keeps what each sends (a kernel should
+    reach nothing)."""
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port, self.accepted, self.received = self.sock.getsockname()[1], 0, []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return  # closed
+            self.accepted += 1
+            with conn:
+                try:
+                    conn.settimeout(2)
+                    self.received.append(conn.recv(4096))
+                except OSError:
+                    pass  # connected and sent nothing in time: counted in accepted
+
+
 def write_solution(folder: Path, stem: str, name: str) -> Path:
     """The instructor's solution as a learner's submission (``<folder>/<name>/<stem>.ipynb``)."""
     src = nbformat.read(ROOT / "solutions" / f"{stem}.ipynb", as_version=4)

@@ -29,6 +29,8 @@ from course_lib.tools.grading.execute import RECOVER_TIMEOUT, run_notebook
 from course_lib.tools.grading.exercise import GradingError, grade_id, is_test_cell, load_exercise, parse_exercise
 from course_lib.tools.grading.grade import STATUSES, grade_notebook
 
+import adversarial  # tests/adversarial.py: the attacks, and the localhost listener
+
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
 SHORT = 5  # seconds per cell in the failure tests: learner code here is instant unless it hangs
@@ -498,27 +500,6 @@ def _git_dirs() -> list[Path]:
     return [git]
 
 
-class _Listener:
-    """A TCP server on the grader's localhost that counts who connects (a kernel should not reach it)."""
-
-    def __init__(self) -> None:
-        import socket
-        import threading
-
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port, self.accepted = self.sock.getsockname()[1], 0
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.accepted += 1
-            conn.close()
-
-
 PROBE = '''
 import json, os, resource, socket, subprocess, sys
 import course_lib
@@ -583,7 +564,7 @@ def test_kernel_runs_in_a_sandbox(tmp_path, mode):
     secrets = [str(p) for p in (ROOT / ".git", ROOT / "tests", ROOT / "solutions", ROOT / "build", *git,
                                 secret / "answers.txt")]
     token = f"probe-{os.getpid()}-{mode}"
-    listener = _Listener()
+    listener = adversarial.Listener()
     with isolation.Sandbox(mode, "other.ipynb", b"{}") as classmate, \
             isolation.Sandbox(mode, "mine.ipynb", b"{}", hide=[secret]) as sandbox:
         targets = [str(p / token) for p in (ROOT / "course_lib", ROOT, classmate.work, Path("/"), Path("/usr"))]

@@ -31,29 +31,6 @@ TOKEN = f"course-detached-{os.getpid()}"
 PLANTED = f"planted_{os.getpid()}.py"
 STRONG = isolation.detect() in ("namespaces+uid", "uid", "namespaces")
 
-class _Listener:
-    """A TCP server on the grader's localhost that keeps what it is sent (a kernel should reach nothing)."""
-
-    def __init__(self) -> None:
-        import socket
-        import threading
-
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port, self.received = self.sock.getsockname()[1], []
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-                with conn:
-                    conn.settimeout(2)
-                    self.received.append(conn.recv(4096))
-            except OSError:
-                if self.sock.fileno() < 0:
-                    return
-
-
 LEAK = A.Attack(
     "leaks_hidden_tests", "02_batch_size", honest=0,
     what="raises errors whose message is the test cell's own source, hoping the feedback shows the hidden tests",
@@ -98,7 +75,7 @@ def graded(tmp_path_factory):
     shutil.copytree(ROOT / "solutions", solutions)
     before = {p.name: p.read_bytes() for p in solutions.glob("*.ipynb")}
     folder = base / "class"
-    listener = _Listener()
+    listener = A.Listener()
     attacks = [*A.IN_KERNEL, A.rewrite_solutions(solutions), A.COPY_CLASSMATE, A.KILLER, A.detached(TOKEN), LEAK,
                FORGED, *A.LIMITS, A.exfiltrate(listener.port), A.plant(PLANTED, [folder])]
     for attack in attacks:
