@@ -1,4 +1,4 @@
-"""Collectives that count the bytes they send (chapters 06-09).
+"""Collectives that count the bytes they send (chapters 06-09 and 11).
 
 Each wrapper forwards to ``torch.distributed`` and adds to a ``ByteCounter``
 the bytes that *this rank* sends under the ring algorithm (Patarasuk & Yuan
@@ -9,6 +9,7 @@ on ``N`` ranks:
 - reduce-scatter:   (N-1)/N x B   (B = the full tensor, each rank keeps 1/N)
 - all-gather:       (N-1)/N x B   (B = the full tensor, each rank brings 1/N)
 - broadcast:        (N-1)/N x B   (a chain: N-1 links carry B; averaged over the N ranks)
+- all-to-all:       the rows sent to other ranks (uneven splits; chapter 11's experts)
 
 So an all-reduce costs about twice the gradient per rank whatever N is: the
 reason data parallelism scales. The counts are what the algorithm sends, not
@@ -123,6 +124,17 @@ def broadcast(t: torch.Tensor, src: int, counter: ByteCounter | None = None,
     if counter is not None:
         counter.add("broadcast", ring_factor("broadcast", _world(group)) * nbytes(t))
     return dist.broadcast(t, src, group=group, async_op=async_op)
+
+
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+               counter: ByteCounter | None = None, group: dist.ProcessGroup | None = None,
+               op: str = "all_to_all") -> None:
+    """``dist.all_to_all_single`` with uneven row splits; ``counter`` adds (as ``op``) the bytes sent to *other*
+    ranks (the rows a rank keeps for itself never leave it)."""
+    if counter is not None:
+        row = nbytes(inp[0]) if inp.shape[0] else 0
+        counter.add(op, row * (sum(in_splits) - in_splits[dist.get_rank(group)]))
+    dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
 
 
 @contextlib.contextmanager

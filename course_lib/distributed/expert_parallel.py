@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib.distributed.comm import ByteCounter, nbytes
+from course_lib.distributed.comm import ByteCounter, all_to_all
 from course_lib.moe import MoEMLP, Routing, route
 
 
@@ -43,17 +43,6 @@ def experts_per_rank(n_experts: int, ep: int) -> int:
         raise ValueError(f"an expert-parallel group of {ep} ranks cannot share {n_experts} experts evenly; "
                          f"use a group size that divides {n_experts}")
     return n_experts // ep
-
-
-def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
-               counter: ByteCounter | None = None, group: dist.ProcessGroup | None = None,
-               op: str = "all_to_all") -> None:
-    """``dist.all_to_all_single`` with uneven row splits; ``counter`` adds (as ``op``) the bytes sent to *other*
-    ranks (the rows a rank keeps for itself never leave it)."""
-    if counter is not None:
-        row = nbytes(inp[0]) if inp.shape[0] else 0
-        counter.add(op, row * (sum(in_splits) - in_splits[dist.get_rank(group)]))
-    dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
 
 
 class _AllToAll(torch.autograd.Function):
