@@ -9,6 +9,8 @@ and the saved activations per rank.
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import pytest
@@ -199,3 +201,7 @@ def test_worker_refuses_a_bad_sequence_length() -> None:
     bad = RunConfig(vocab=40, d_model=16, n_heads=2, n_layers=1, seq_len=6, batch=2)
     with pytest.raises(RuntimeError, match="not divisible by 2c = 4"):
         launch.run("course_lib.workers.cp_compare", 2, ["--tasks", "exact", "--cfg", bad.to_json()], timeout=120)
+    good = dataclasses.replace(bad, seq_len=8)
+    with pytest.raises(RuntimeError, match="--dp 3 must divide the 2 ranks"):  # data-parallel groups of rings
+        launch.run("course_lib.workers.cp_compare", 2, ["--tasks", "train", "--dp", "3", "--cfg", good.to_json()],
+                   timeout=120)

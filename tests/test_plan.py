@@ -136,7 +136,7 @@ def test_impossible_budgets_say_what_is_needed(model, measured_plan):
 
 def test_bad_arguments_are_clear_errors(model):
     with pytest.raises(ValueError, match="does not split evenly over 4 ranks: use a multiple of 4"):
-        planner.plan(model, (T,), 10, 64 * MiB, world_size=4, tensor_parallel=False)
+        planner.plan(model, (T,), 10, 64 * MiB, world_size=4, tensor_parallel=False, context_parallel=False)
     with pytest.raises(ValueError, match=r"samples of shape \(seq_len,\)"):
         planner.plan(model, (3, 32, 32), B, 64 * MiB)
     with pytest.raises(ValueError, match="positive budget"):
@@ -237,15 +237,50 @@ def test_tensor_parallel_states_per_rank(model, tp_plan):
 
 def test_fewer_sequences_than_ranks_need_tensor_parallelism(model):
     with pytest.raises(ValueError, match="does not split evenly over 4 ranks: use a multiple of 4$"):
-        planner.plan(model, (T,), 2, 1 << 34, world_size=4, tensor_parallel=False)
-    p = planner.plan(model, (T,), 2, 1 << 34, world_size=4)
+        planner.plan(model, (T,), 2, 1 << 34, world_size=4, tensor_parallel=False, context_parallel=False)
+    p = planner.plan(model, (T,), 2, 1 << 34, world_size=4, context_parallel=False)
     d, t = p.mesh
     assert t > 1 and d * t == 4 and p.config.micro_batch * p.config.accumulation_steps == 2 // d
     assert p.config.sequence_parallel and p.config.zero_stage == (3 if d > 1 else 0)
     assert f"on {d} data-parallel x {t} tensor-parallel ranks" in p.explanation
     assert {c.config.tp for c in p.candidates} == {2, 4}  # 4 x 1 cannot split 2 sequences
-    with pytest.raises(ValueError, match=r"use a multiple of 8 \(or of the data-parallel ranks d of a d x t layout"):
-        planner.plan(model, (T,), 3, 1 << 34, world_size=8)  # 8x1, 4x2, 2x4: none splits 3 sequences
+    with pytest.raises(ValueError, match=r"use a multiple of 8 \(or of the data-parallel ranks d of a layout: "
+                                         r"4x2t or 2x4t\)$"):
+        planner.plan(model, (T,), 3, 1 << 34, world_size=8, context_parallel=False)  # 8, 4x2t, 2x4t: none splits 3
+    # ... where one ring of all 8 ranks (2c = 16 chunks of the 32 tokens) takes the 3 sequences
+    assert planner.plan(model, (T,), 3, 1 << 34, world_size=8, tensor_parallel=False).config.cp == 8
+
+
+def test_context_parallel_layouts_are_searched(model):
+    assert planner.search.cp_sizes(model, (T,), 4) == [2, 4]                  # 2c divides T = 32
+    assert planner.search.cp_sizes(model, (T,), 3) == []                      # 32 tokens do not cut into 6 chunks
+    assert planner.search.cp_sizes(torch.nn.Linear(8, 8), (8,), 4) == []      # no attention to ring
+    # fewer sequences than ranks, without tensor parallelism: only rings of c ranks can use all 4
+    p = planner.plan(model, (T,), 2, 1 << 34, world_size=4, tensor_parallel=False, precisions=("fp32",))
+    cps = {c.config.cp for c in p.candidates}
+    assert cps == {2, 4}, cps
+    for c in p.candidates:  # what the ring runs: the fused kernel's saves, nothing of chapter 10's else
+        cfg = c.config
+        assert cfg.fused and cfg.segments == 1 and cfg.tp == 1 and cfg.loss_chunks == 1 and not cfg.offload
+        assert cfg.micro_batch * cfg.accumulation_steps == 2 // planner.data_parallel_ranks(cfg, 4)
+    assert {c.config.zero_stage for c in p.candidates if c.config.cp == 4} == {0, 1, 2, 3}  # over the 4 ranks
+    d = planner.data_parallel_ranks(p.config, 4)
+    assert f"on {d} data-parallel x {p.config.cp} context-parallel ranks" in p.explanation
+    assert "The ring (chapter 11) sends" in p.explanation
+    assert planner.layout(p.config, 4) in p.table()
+    with pytest.raises(ValueError, match="does not split evenly"):  # the ring needs the fused kernel's saves
+        planner.plan(model, (T,), 2, 1 << 34, world_size=4, tensor_parallel=False, fused=False)
+    # the peak a context-parallel candidate was weighed with is predict_peak's, over all the ranks
+    c = next(c for c in p.candidates if c.config.cp == 2 and c.fits)
+    assert c.peak == planner.predict_peak(p.measurements, c.config, 4)
+
+
+def test_layout_names():
+    cfg = planner.Config("fp32", 1, 1, 1, 0)
+    assert planner.layout(cfg, 4) == "4"
+    assert planner.layout(dataclasses.replace(cfg, tp=2, sequence_parallel=True), 4) == "2x2t"
+    assert planner.layout(dataclasses.replace(cfg, fused=True, cp=4), 4) == "1x4c"
+    assert planner.layout(dataclasses.replace(cfg, pp=2, virtual_stages=2), 8) == "4x2p/2"
 
 
 def test_both_bandwidths_price_their_traffic(model):
@@ -526,3 +561,9 @@ def test_plan_searches_pipeline_interleaving(model):
     assert "pipeline over 2 stages of 2 interleaved chunks" in p.explanation
     with pytest.raises(ValueError, match="pipeline_stages must divide"):
         planner.plan(model, (T,), B, 1 << 34, world_size=2, pipeline_stages=3)
+    # several depths at once: data parallelism, and pipelines of 2 and 4 stages (with 2 data-parallel ranks or 1)
+    q = planner.plan(model, (T,), B, 1 << 34, world_size=4, precisions=("fp32",), tensor_parallel=False,
+                     context_parallel=False, pipeline_stages=(1, 2, 4), virtual_stages=(1, 2))
+    assert {(c.config.pp, c.config.virtual_stages) for c in q.candidates} == {(1, 1), (2, 1), (2, 2), (4, 1)}
+    assert all(c.config.micro_batch * c.config.accumulation_steps == B // planner.data_parallel_ranks(c.config, 4)
+               for c in q.candidates)  # 4 blocks: 4 stages of 2 chunks would need 8

@@ -1,8 +1,9 @@
 """Plan a training configuration for a memory budget (chapter 12, the capstone): measure, predict, search.
 
 For every combination of precision (chapter 05), micro-batch with gradient accumulation (chapters 02-03),
-activation checkpointing (chapter 05), ZeRO stage (chapter 08), tensor-parallel size (chapter 09), and chapter
-10's fused attention, chunked loss and activation offload, predict the peak bytes per device and the step time;
+activation checkpointing (chapter 05), ZeRO stage (chapter 08), tensor-parallel size (chapter 09), pipeline
+stages and their interleaving (chapter 07), context-parallel size (chapter 11), and chapter 10's fused attention,
+chunked loss and activation offload, predict the peak bytes per device and the step time;
 keep the fastest that fits. The package reads in that order:
 
 - ``config``: ``Config``, one way to run a step, the planner's answer;
@@ -23,7 +24,7 @@ from course_lib.planner.predict import (DEFAULT_BANDWIDTH, DEFAULT_HOST_BANDWIDT
                                         FORWARD_SHARE, block_saves, comm_bytes, offload_bytes, pipeline_terms,
                                         predict_peak, predict_step_time, tp_comm_bytes, tp_shares)
 from course_lib.planner.search import (DEFAULT_HEADROOM, MIN_CHUNK_TOKENS, TIMING_MAX_MICRO, Candidate, MiB, Plan,
-                                       plan, segment_options)
+                                       cp_sizes, data_parallel_ranks, layout, plan, segment_options)
 from course_lib.planner.experts import ExpertLayout, plan_experts, predict_experts
 from course_lib.planner.predict import cp_comm_bytes, cp_in_flight_bytes
 from course_lib.planner.step import (LossFn, attention_kernel, autocast, checkpointing, measure_peak, offloading,
@@ -37,6 +38,6 @@ __all__ = [
     "DEFAULT_BANDWIDTH", "DEFAULT_HOST_BANDWIDTH", "DEFAULT_TP_BANDWIDTH", "FORWARD_SHARE", "block_saves",
     "comm_bytes", "offload_bytes", "pipeline_terms", "predict_peak", "predict_step_time", "tp_comm_bytes", "tp_shares",
     "DEFAULT_HEADROOM", "MIN_CHUNK_TOKENS", "TIMING_MAX_MICRO", "Candidate", "MiB", "Plan", "plan",
-    "segment_options",
+    "segment_options", "cp_sizes", "data_parallel_ranks", "layout",
     "ExpertLayout", "plan_experts", "predict_experts", "cp_comm_bytes", "cp_in_flight_bytes",
 ]

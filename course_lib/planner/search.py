@@ -1,7 +1,7 @@
 """Search: ``plan`` weighs every candidate ``Config``, keeps the fastest that fits, says why (chapter 12, section 3).
 
 For every combination of precision, micro-batch with accumulation, checkpoint segments, ZeRO stage,
-tensor-parallel layout and chapter 10's options, ``plan`` takes the largest micro-batch whose predicted peak
+layout over the ranks (data x tensor x context x pipeline) and chapter 10's options, ``plan`` takes the largest micro-batch whose predicted peak
 (``predict.predict_peak``) fits the budget less a headroom, ranks those by predicted speed
 (``predict.predict_step_time``) and explains the choice; ``Plan.table`` lists every candidate. The model is
 measured once (``measure.calibrate``); the notebook's Experiment then runs the chosen plan (``step``).
@@ -25,7 +25,7 @@ from course_lib.planner.config import Config
 from course_lib.planner.measure import (BatchFn, Measurements, calibrate, default_batch, lm_head, tp_sizes,
                                         transformer_layers)
 from course_lib.planner.predict import (DEFAULT_BANDWIDTH, DEFAULT_HOST_BANDWIDTH, DEFAULT_TP_BANDWIDTH,
-                                        offload_bytes, pipeline_terms, predict_peak, predict_step_time)
+                                        cp_comm_bytes, offload_bytes, pipeline_terms, predict_peak, predict_step_time)
 from course_lib.planner.step import LossFn
 
 MiB = 2**20
@@ -66,20 +66,35 @@ class Plan:
     @property
     def mesh(self) -> tuple[int, int]:
         """(data-parallel, tensor-parallel) ranks of the chosen configuration."""
-        return self.world_size // self.config.tp, self.config.tp
+        return data_parallel_ranks(self.config, self.world_size), self.config.tp
 
     def table(self, limit: int | None = None) -> str:
-        """The candidates, fastest first (then those that do not fit), one line each."""
-        rows = [f"{'precision':>9} {'chapter 10':>18} {'segments':>8} {'d x t':>5} {'ZeRO':>4} {'micro':>5} "
+        """The candidates, fastest first (then those that do not fit), one line each. The layout column reads
+        ``d`` data-parallel ranks times ``t`` tensor-parallel (``2t``), ``c`` context-parallel (``2c``) or
+        ``p`` pipeline (``2p``; ``2p/2``: two interleaved chunks per stage) ranks."""
+        rows = [f"{'precision':>9} {'chapter 10':>18} {'segments':>8} {'layout':>7} {'ZeRO':>4} {'micro':>5} "
                 f"{'accum':>5} {'peak MiB':>9} {'samples/s':>9}"]
-        for c in sorted(self.candidates, key=lambda c: (-c.samples_per_s, c.peak["total"]))[:limit]:
+        # fastest first, in the order ``plan`` weighed them where the speeds tie (so its choice is the first line);
+        # those that do not fit by their peak
+        for c in sorted(self.candidates, key=lambda c: (-c.samples_per_s, 0 if c.fits else c.peak["total"]))[:limit]:
             m, a = (c.config.micro_batch, c.config.accumulation_steps) if c.fits else ("-", "-")
             note = "  <- chosen" if c.config == self.config else ("" if c.fits else "  (micro-batch 1 too big)")
-            mesh = f"{self.world_size // c.config.tp}x{c.config.tp}"
-            rows.append(f"{c.config.precision:>9} {_options(c.config):>18} {c.config.segments:>8} {mesh:>5} "
-                        f"{c.config.zero_stage:>4} {m:>5} {a:>5} {c.peak['total'] / MiB:9.1f} "
-                        f"{c.samples_per_s:9.1f}{note}")
+            rows.append(f"{c.config.precision:>9} {_options(c.config):>18} {c.config.segments:>8} "
+                        f"{layout(c.config, self.world_size):>7} {c.config.zero_stage:>4} {m:>5} {a:>5} "
+                        f"{c.peak['total'] / MiB:9.1f} {c.samples_per_s:9.1f}{note}")
         return "\n".join(rows)
+
+
+def data_parallel_ranks(config: Config, world_size: int) -> int:
+    """The ranks that split the batch: the world over the tensor, context and pipeline ranks."""
+    return world_size // (config.tp * config.cp * config.pp)
+
+
+def layout(config: Config, world_size: int) -> str:
+    """``config``'s layout of ``world_size`` ranks in a few characters: ``4``, ``2x2t``, ``1x4c``, ``2x2p/2``."""
+    axes = [f"{n}{a}" for n, a in ((config.tp, "t"), (config.cp, "c"), (config.pp, "p")) if n > 1]
+    text = "x".join([str(data_parallel_ranks(config, world_size)), *axes])
+    return text + (f"/{config.virtual_stages}" if config.virtual_stages > 1 else "")
 
 
 def segment_options(n_blocks: int) -> list[int]:
@@ -101,15 +116,27 @@ def _parts(peak: dict) -> str:
     return ", ".join(f"{k} {peak[k] / MiB:.1f}" for k in ("params", "grads", "optimizer", "batch", "transient"))
 
 
+def cp_sizes(model: nn.Module, sample_shape: tuple[int, ...], world_size: int) -> list[int]:
+    """Context-parallel sizes ``c > 1`` for ``model``: transformer blocks with ``CausalSelfAttention`` (the ring
+    replaces it, chapter 11), ``c`` dividing the ranks and ``2c`` the sequence (the zigzag's chunks)."""
+    layers = transformer_layers(model, sample_shape)
+    if layers is None or not any(isinstance(m, CausalSelfAttention) for m in model.modules()):
+        return []
+    return [c for c in range(2, world_size + 1) if world_size % c == 0 and layers.seq_len % (2 * c) == 0]
+
+
 def _layouts(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, world_size: int,
-             tensor_parallel: bool, sequence_parallel: bool) -> list[int]:
-    """The tensor-parallel sizes to try: those ``tp_sizes`` allows whose data-parallel ranks split the batch."""
-    sizes = tp_sizes(transformer_layers(model, sample_shape), world_size, sequence_parallel) if tensor_parallel else [1]
-    ok = [t for t in sizes if global_batch % (world_size // t) == 0]
+             tensor_parallel: bool, sequence_parallel: bool, context_parallel: bool) -> list[tuple[int, int]]:
+    """The (tensor, context)-parallel sizes to try, one of them 1 (the course runs either, not both together):
+    those ``tp_sizes`` and ``cp_sizes`` allow whose data-parallel ranks split the batch."""
+    ts = tp_sizes(transformer_layers(model, sample_shape), world_size, sequence_parallel) if tensor_parallel else [1]
+    sizes = [(t, 1) for t in ts] + [(1, c) for c in (cp_sizes(model, sample_shape, world_size)
+                                                      if context_parallel else [])]
+    ok = [(t, c) for t, c in sizes if global_batch % (world_size // (t * c)) == 0]
     if not ok:
-        layouts = " or ".join(f"{world_size // t}x{t}" for t in sizes)
+        names = " or ".join(f"{world_size // (t * c)}x{t * c}{'c' if c > 1 else 't'}" for t, c in sizes[1:])
         raise ValueError(f"global batch {global_batch} does not split evenly over {world_size} ranks: use a multiple "
-                         f"of {world_size}" + (f" (or of the data-parallel ranks d of a d x t layout: {layouts})"
+                         f"of {world_size}" + (f" (or of the data-parallel ranks d of a layout: {names})"
                                               if len(sizes) > 1 else ""))
     return ok
 
@@ -151,8 +178,9 @@ def plan(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, mem
          headroom: float = DEFAULT_HEADROOM, bandwidth: float = DEFAULT_BANDWIDTH,
          bucket_cap_mb: float = DEFAULT_BUCKET_MB, tensor_parallel: bool = True, sequence_parallel: bool = True,
          tp_bandwidth: float = DEFAULT_TP_BANDWIDTH, fused: bool | None = None, chunk_loss: bool | None = None,
-         offload: bool | None = None, host_bandwidth: float = DEFAULT_HOST_BANDWIDTH, pipeline_stages: int = 1,
-         virtual_stages: tuple[int, ...] = (1,)) -> Plan:
+         offload: bool | None = None, host_bandwidth: float = DEFAULT_HOST_BANDWIDTH,
+         pipeline_stages: int | tuple[int, ...] = 1, virtual_stages: tuple[int, ...] = (1,),
+         context_parallel: bool = True) -> Plan:
     """The fastest predicted configuration whose peak bytes per device fit ``memory_budget_bytes``, with Adam.
 
     ``global_batch`` samples of shape ``sample_shape`` per step are split evenly over the data-parallel ranks; each
@@ -171,8 +199,13 @@ def plan(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, mem
     ``host_bandwidth``, where it pays on a GPU. On a CPU machine the host is the device's own memory: there
     ``offload=True`` plans chapter 10's simulation (``offload.OffloadToHost``), which saves nothing real.
 
+    With ``context_parallel`` and ``TransformerBlock``s of ``CausalSelfAttention``, ``c`` of the ranks may also
+    share every sequence (``cp_sizes``): ring attention over ``T/c`` positions each (chapter 11), with the fused
+    kernel's saves and without checkpointing, offload or loss chunks (what the course's ring runs); ZeRO then
+    shards over the ``d x c`` ranks, which all hold the whole model.
+
     ``pipeline_stages = p > 1`` cuts the blocks into ``p`` pipeline stages on ``p`` of the ranks (chapter 07), the
-    others data-parallel; each of ``virtual_stages`` is tried (``v > 1``: interleaved 1F1B, for a smaller bubble
+    others data-parallel (a tuple: each ``p`` is tried); each of ``virtual_stages`` is tried (``v > 1``: interleaved 1F1B, for a smaller bubble
     and more activations in flight), where it cuts the blocks and the accumulation steps come in groups of ``p``.
 
     ``loss_fn`` and ``make_batch(m) -> (inputs, targets)`` default to ``default_batch``'s. The model is measured in
@@ -183,11 +216,21 @@ def plan(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, mem
     if world_size < 1 or global_batch < 1 or memory_budget_bytes <= 0 or not 0 <= headroom < 1:
         raise ValueError(f"need world_size >= 1, global_batch >= 1, a positive budget and 0 <= headroom < 1; "
                          f"got {world_size}, {global_batch}, {memory_budget_bytes}, {headroom}")
-    if pipeline_stages < 1 or world_size % pipeline_stages or not virtual_stages or min(virtual_stages) < 1:
+    stage_counts = (pipeline_stages,) if isinstance(pipeline_stages, int) else tuple(pipeline_stages)
+    if (not stage_counts or any(p < 1 or world_size % p for p in stage_counts) or not virtual_stages
+            or min(virtual_stages) < 1):
         raise ValueError(f"pipeline_stages must divide world_size ({world_size}) and virtual_stages be >= 1; got "
                          f"{pipeline_stages}, {virtual_stages}")
-    pp, vs = pipeline_stages, (tuple(virtual_stages) if pipeline_stages > 1 else (1,))
-    sizes = _layouts(model, tuple(sample_shape), global_batch, world_size // pp, tensor_parallel, sequence_parallel)
+    sizes, refusals = [], []  # (t, c, p) layouts; why a pipeline depth could not split the batch
+    for pp in stage_counts:
+        try:
+            sizes += [(t, c, pp) for t, c in _layouts(model, tuple(sample_shape), global_batch, world_size // pp,
+                                                      tensor_parallel, sequence_parallel,
+                                                      context_parallel and fused is not False)]  # the ring: fused
+        except ValueError as exc:
+            refusals.append(exc)
+    if not sizes:
+        raise refusals[0]
     usable = int(memory_budget_bytes * (1 - headroom))
     budget_text = f"{memory_budget_bytes / MiB:.1f} MiB per device ({usable / MiB:.1f} usable)"
     states = 4 * memory.param_bytes(model) / world_size  # weights, gradients, Adam's 2 moments: ZeRO-3 at best
@@ -197,7 +240,7 @@ def plan(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, mem
     if precisions is None:
         bf16 = device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_bf16_supported())
         precisions = ("fp32", "bf16") if bf16 else ("fp32",)
-    one_device = 1 in sizes  # chapter 10's options run without tensor parallelism
+    one_device = any(t == 1 for t, _, _ in sizes)  # chapter 10's options run without tensor parallelism
     kernels = _switch("fused", fused, True, one_device and any(isinstance(m, CausalSelfAttention)
                                                                 for m in model.modules()),
                       "a model with CausalSelfAttention layers, on a layout without tensor parallelism")
@@ -212,7 +255,7 @@ def plan(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, mem
                        one_device and isinstance(blocks, nn.Sequential) and len(blocks) > 0,
                        "a model whose `blocks` is a non-empty nn.Sequential, on a layout without tensor parallelism")
     default_make, default_loss = default_batch(model, tuple(sample_shape), device)
-    largest = global_batch // (world_size // max(sizes))  # the largest share of the batch a rank runs
+    largest = global_batch // min(world_size // (pp * t * c) for t, c, pp in sizes)  # the largest share of a rank
     try:
         meas = calibrate(model, make_batch or default_make, loss_fn or default_loss, device, precisions,
                          min(largest, TIMING_MAX_MICRO), usable, bucket_cap_mb, fused=tuple(kernels),
@@ -225,20 +268,22 @@ def plan(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, mem
         return global_batch / predict_step_time(meas, cfg, world_size, bandwidth, tp_bandwidth, host_bandwidth)
 
     candidates = []
-    for prec, kernel, k, t in itertools.product(precisions, kernels, segment_options(meas.n_blocks), sizes):
-        if kernel and t > 1:
+    for prec, kernel, k, (t, cp, pp) in itertools.product(precisions, kernels, segment_options(meas.n_blocks),
+                                                          sizes):
+        if kernel and t > 1 or cp > 1 and (not kernel or k > 1):
             continue
-        dp = world_size // (t * pp)
-        per_rank = global_batch // dp
+        vs = tuple(virtual_stages) if pp > 1 else (1,)
+        per_rank = global_batch // (world_size // (t * cp * pp))
+        zero_ranks = world_size // (t * pp)  # every rank holding the same weights: data- and context-parallel
         # TP runs with FSDP2 over the data-parallel ranks (chapter 09); plain data parallelism takes any stage
-        stages = [0] if dp == 1 else [0, 1, 2, 3] if t == 1 else [3]
+        stages = [0] if zero_ranks == 1 else [0, 1, 2, 3] if t == 1 else [3]
         for s in stages:
-            for off in offloads if t == 1 and k == 1 and s < 3 else [False]:
+            for off in offloads if t == 1 and cp == 1 and k == 1 and s < 3 else [False]:
                 for v in vs:
                     shape = Config(prec, 1, per_rank, k, s, t, sequence_parallel and t > 1, kernel, off, pp=pp,
-                                   virtual_stages=v)
+                                   virtual_stages=v, cp=cp)
                     listed = None
-                    for chunks in chunk_counts if t == 1 else [1]:
+                    for chunks in chunk_counts if t == 1 and cp == 1 else [1]:
                         c = _largest_fitting(meas, dataclasses.replace(shape, loss_chunks=chunks), per_rank,
                                              world_size, usable, speed)
                         if c is None:
@@ -253,16 +298,19 @@ def plan(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, mem
     if not fits:
         small = min(candidates, key=lambda c: c.peak["total"])
         more = "ZeRO-3 divides the model states by the world size"
-        if max(sizes) > 1:
+        if any(t > 1 for t, _, _ in sizes):
             more += ", tensor parallelism what each block saves"
+        if any(c > 1 for _, c, _ in sizes):
+            more += ", context parallelism each sequence's activations"
         raise ValueError(f"nothing fits {budget_text}: the smallest configuration ({small.config.describe()}) "
                          f"needs {small.peak['total'] / MiB:.1f} MiB ({_parts(small.peak)} MiB). Use a budget of at "
                          f"least {small.peak['total'] / (1 - headroom) / MiB:.1f} MiB, a smaller model or shorter "
                          f"samples, or more ranks ({more}).")
     best, cfg = fits[0], fits[0].config
-    dp = world_size // (cfg.tp * cfg.pp)
+    dp = data_parallel_ranks(cfg, world_size)
     per_rank = global_batch // dp
-    mesh = f" on {dp} data-parallel x {cfg.tp} tensor-parallel ranks" if cfg.tp > 1 else ""
+    mesh = (f" on {dp} data-parallel x {cfg.tp} tensor-parallel ranks" if cfg.tp > 1 else
+            f" on {dp} data-parallel x {cfg.cp} context-parallel ranks" if cfg.cp > 1 else "")
     why = [f"Chosen: {cfg.describe()}{mesh}. Predicted peak {best.peak['total'] / MiB:.1f} MiB of {budget_text} "
            f"({_parts(best.peak)} MiB; the peak is in the {best.peak['where']}), about {best.samples_per_s:.0f} "
            "samples/s."]
@@ -276,7 +324,7 @@ def plan(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, mem
             f" and leave the pipeline a bubble of {pipeline_terms(nxt, meas.n_blocks)['bubble']:.2f}, not "
             f"{pipeline_terms(cfg, meas.n_blocks)['bubble']:.2f}")
         why.append(f"Micro-batch {nxt.micro_batch} would need {need / MiB:.1f} MiB{fits_too}.")
-    if cfg.memory_options():
+    if cfg.memory_options() and cfg.cp == 1:  # the ring needs the fused kernel: no plain twin to compare
         plain = dataclasses.replace(cfg, fused=False, offload=False, loss_chunks=1)
         plain_peak, options = predict_peak(meas, plain, world_size)["total"], " and ".join(cfg.memory_options())
         if plain_peak > usable:
@@ -284,6 +332,10 @@ def plan(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, mem
         else:  # chosen for speed: without them it fits too (at the same peak where that is the optimizer step)
             why.append(f"{options[0].upper()}{options[1:]}: chosen for speed, not memory (without, the peak would "
                        f"be {plain_peak / MiB:.1f} MiB, which fits too).")
+    if cfg.cp > 1:
+        why.append(f"The ring (chapter 11) sends {cp_comm_bytes(meas, cfg) / 1e6:.1f} MB per rank per step, priced "
+                   f"at {tp_bandwidth / 1e9:.0f} GB/s; every rank keeps the whole model, so the gradients are "
+                   f"summed over all {dp * cfg.cp} of them.")
     if cfg.offload:
         why.append(f"Offloading moves {offload_bytes(meas, cfg) / 1e6:.1f} MB per step over the host link (priced "
                    f"at {host_bandwidth / 1e9:.0f} GB/s)" + ("; on a CPU machine that is chapter 10's simulation: "

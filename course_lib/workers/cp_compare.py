@@ -13,6 +13,7 @@ Tasks (``--tasks``, in this order, in one launch):
   the same code in one process and the course's block (naive and fused attention);
 - ``train``: ``--steps`` Adam steps of the whole model in float32 (zigzag),
   losses against one process, seconds per step, bytes sent per step, the peak and the states per rank;
+  ``--dp`` data-parallel groups of rings, ``--zero-stage`` 0-2 over all the ranks;
 - ``api``: torch's ``context_parallel`` on the same model with fused
   attention: losses and gradients against one process, or the error it raises.
 
@@ -35,6 +36,7 @@ from course_lib import memory
 from course_lib.distributed import context_parallel as cp
 from course_lib.distributed import launch
 from course_lib.distributed.results import WorkerResult
+from course_lib.distributed.zero import ZeroOptimizer
 from course_lib.env import seed_everything
 from course_lib.models import TransformerBlock, lm_loss
 from course_lib.workers.zero_common import RunConfig, build_model, gather_per_rank, global_batch
@@ -82,9 +84,15 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def cp_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, ring: cp.Ring) -> torch.Tensor:
     """This rank's share of the mean next-token loss: the sum over its tokens / all tokens of the batch."""
-    logits = cp.model_forward(model, cp.shard(x, ring.world, ring.rank, ring.layout), ring)
-    local_y = cp.shard(y, ring.world, ring.rank, ring.layout)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), local_y.reshape(-1), reduction="sum") / y.numel()
+    local_x, local_y = (cp.shard(t, ring.world, ring.rank, ring.layout) for t in (x, y))
+    return cp_local_loss(model, local_x, local_y, ring, y.numel())
+
+
+def cp_local_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, ring: cp.Ring,
+                  tokens: int) -> torch.Tensor:
+    """``cp_loss`` of this rank's positions ``x``, ``y`` (already sharded) over a batch of ``tokens`` tokens."""
+    logits = cp.model_forward(model, x, ring)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum") / tokens
 
 
 def sum_grads(model: torch.nn.Module) -> None:
@@ -92,6 +100,23 @@ def sum_grads(model: torch.nn.Module) -> None:
     for p in model.parameters():
         if p.grad is not None:
             dist.all_reduce(p.grad)
+
+
+_GROUPS: dict[int, list[dist.ProcessGroup]] = {}
+
+
+def rings(T: int, dp: int) -> cp.Ring:
+    """This rank's ring when the ranks form ``dp`` data-parallel groups of ``world / dp`` consecutive ranks (the
+    groups are made once, by every rank, as ``new_group`` requires)."""
+    world = dist.get_world_size()
+    if dp < 1 or world % dp:
+        raise ValueError(f"{dp} data-parallel groups do not divide the {world} ranks")
+    if dp == 1:
+        return cp.Ring.of(T)
+    c = world // dp
+    if dp not in _GROUPS:
+        _GROUPS[dp] = [dist.new_group(list(range(g * c, (g + 1) * c))) for g in range(dp)]
+    return cp.Ring.of(T, group=_GROUPS[dp][dist.get_rank() // c])
 
 
 def exact_task(cfg: RunConfig, layout: str, device: torch.device) -> LayoutResult:
@@ -135,19 +160,20 @@ def exact_task(cfg: RunConfig, layout: str, device: torch.device) -> LayoutResul
                         {op: n // cfg.n_layers for op, n in calls.items()})
 
 
-def saved_task(cfg: RunConfig, device: torch.device) -> dict[str, list[int]]:
-    """Bytes one block saves: on each rank under CP, and in one process (same code; the course's block)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+def saved_task(cfg: RunConfig, device: torch.device, dp: int = 1) -> dict[str, list[int]]:
+    """Bytes one block saves: on each rank under CP, and in one process (same code; the course's block). With
+    ``dp`` data-parallel groups (``rings``), a group's ``batch / dp`` sequences around its ring."""
+    ring = rings(cfg.seq_len, dp)
+    rank, world = ring.rank, ring.world
     block = build_model(cfg, device).blocks[0]
     params = list(block.parameters())
-    x = torch.randn(cfg.batch, cfg.seq_len, cfg.d_model, device=device, requires_grad=True)
+    x = torch.randn(cfg.batch // dp, cfg.seq_len, cfg.d_model, device=device, requires_grad=True)
 
     def cp_block(x_local: torch.Tensor, ring: cp.Ring) -> torch.Tensor:
         h = x_local + cp.attention_forward(block.attn, block.ln1(x_local), ring)
         return h + block.mlp(block.ln2(h))
 
     local = cp.shard(x.detach(), world, rank, "zigzag").requires_grad_()
-    ring = cp.Ring.of(cfg.seq_len)
     # the block's input counts: in a model it is the previous block's output, kept for this block's backward
     per_rank = gather_per_rank(memory.saved_activation_bytes(lambda: cp_block(local, ring), exclude=params))
     one = memory.saved_activation_bytes(lambda: cp_block(x, cp.Ring(cfg.seq_len)), exclude=params)
@@ -158,41 +184,74 @@ def saved_task(cfg: RunConfig, device: torch.device) -> dict[str, list[int]]:
     return {"cp": per_rank, "one_process": [one], "naive": [naive], "fused": [fused_bytes]}
 
 
-def train_task(cfg: RunConfig, device: torch.device) -> dict:
-    """Adam steps of the whole model with CP (zigzag) against one process: losses, time, bytes, peak."""
+def train_task(cfg: RunConfig, device: torch.device, dp: int = 1, zero_stage: int = 0) -> dict:
+    """Adam steps of the whole model with CP (zigzag) against one process: losses, time, bytes, peak.
+
+    The ranks form ``dp`` data-parallel groups of ``c = world / dp`` consecutive ranks; each group runs its rows
+    of the batch around its own ring. Every rank keeps the whole model, so the gradients are summed over all the
+    ranks: by an all-reduce (``zero_stage`` 0), or by ``ZeroOptimizer`` (stages 1, 2: Adam's state, and at
+    stage 2 the gradients, sharded over all the ranks). ZeroOptimizer averages over its ranks, as DDP does, and
+    a rank's loss is its share of a sum: the backward runs on the share times the world, whose mean is the sum.
+
+    The peak is measured as ``zero_compare`` measures it: what the rank holds at the start of the step (its
+    states and its shard of the batch, counted tensor by tensor) plus the highest transient above that (from
+    step 1 on, when Adam's state exists; the lower of the measured steps kept). Gradients are zeroed, not
+    freed, so that nothing allocated before the CPU profiler started is freed inside its window.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if zero_stage not in (0, 1, 2):
+        raise ValueError(f"the train task runs ZeRO stages 0-2, got {zero_stage}")
+    ring = rings(cfg.seq_len, dp)
+    c = ring.world
+    rows = slice(rank // c * cfg.batch // dp, (rank // c + 1) * cfg.batch // dp)
     ref_losses, _ = reference(cfg)  # one process, the whole batch: what the ring must equal
     model = build_model(cfg, device)
-    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    ring = cp.Ring.of(cfg.seq_len)
-    losses, seconds = [], []
-    for step in range(cfg.steps):
-        x, y = global_batch(cfg, step)
-        dist.barrier()
-        t0 = time.perf_counter()
+    if zero_stage:
+        zopt = ZeroOptimizer(model, torch.optim.Adam, zero_stage, bucket_cap_mb=cfg.bucket_mb, lr=cfg.lr)
+        zero_grad, update, held = zopt.zero_grad, zopt.step, zopt.state_bytes
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
 
+        def zero_grad() -> None:
+            opt.zero_grad(set_to_none=False)
+
+        def update() -> None:
+            sum_grads(model)
+            opt.step()
+
+        def held() -> dict[str, int]:  # the states this rank holds, as chapter 01 counts them
+            return dict(params=memory.param_bytes(model), grads=memory.grad_bytes(model),
+                        optimizer=memory.optimizer_state_bytes(opt))
+    scale = world if zero_stage else 1
+    losses, seconds, peak = [], [], None
+    for step in range(cfg.steps):
+        x, y = (t[rows] for t in global_batch(cfg, step))
+        x, y = (cp.shard(t, c, ring.rank, ring.layout).to(device) for t in (x, y))  # this rank's positions
+        zero_grad()
         parts: list[torch.Tensor] = []
 
         def cp_step() -> None:
-            opt.zero_grad()
-            part = cp_loss(model, x.to(device), y.to(device), ring)
-            part.backward()
-            sum_grads(model)
-            opt.step()
+            part = cp_local_loss(model, x, y, ring, cfg.batch * cfg.seq_len)
+            (part * scale).backward()
+            update()
             parts.append(part.detach())
 
-        if step == cfg.steps - 1:  # the last step under the peak meter (warm: Adam's state exists)
-            peak = memory.peak_bytes(cp_step, device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        if step >= 1:  # measured (Adam's state exists from step 1 on)
+            resident = sum(held().values()) + memory.tensor_bytes(x) + memory.tensor_bytes(y)
+            p = resident + memory.peak_bytes(cp_step, device)
+            peak = p if peak is None else min(peak, p)
         else:
             cp_step()
         seconds.append(time.perf_counter() - t0)
         total = parts[0].clone()
         dist.all_reduce(total)
         losses.append(total.item())
-    sent_per_step = ring.counter.bytes / cfg.steps
-    held = dict(params=memory.param_bytes(model), grads=memory.grad_bytes(model),
-                optimizer=memory.optimizer_state_bytes(opt))  # the states this rank holds, as chapter 01 counts them
     return {"ref_losses": ref_losses, "losses": losses, "seconds": gather_per_rank(seconds),
-            "sent_per_step": sent_per_step, "peak": gather_per_rank(peak), "held": gather_per_rank(held)}
+            "sent_per_step": ring.counter.bytes / cfg.steps, "peak": gather_per_rank(peak),
+            "held": gather_per_rank(held()), "dp": dp, "zero_stage": zero_stage,
+            "batch_bytes": gather_per_rank(memory.tensor_bytes(x) + memory.tensor_bytes(y))}
 
 
 def api_task(cfg: RunConfig, device: torch.device) -> dict:
@@ -233,6 +292,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated: {', '.join(TASKS)}")
     parser.add_argument("--cfg", default=RunConfig().to_json(), help="RunConfig as JSON (seq_len: the whole sequence)")
+    parser.add_argument("--dp", type=int, default=1, help="saved, train: data-parallel groups of world/dp ring ranks")
+    parser.add_argument("--zero-stage", type=int, default=0, help="train: 0 (all-reduce), 1 or 2 (ZeroOptimizer)")
     launch.add_timeout_arg(parser)
     a = parser.parse_args()
     cfg = RunConfig.from_json(a.cfg)
@@ -241,15 +302,19 @@ def main() -> None:
     if unknown:
         raise ValueError(f"unknown task(s) {sorted(unknown)}; choose from {', '.join(TASKS)}")
     rank, world, device = launch.init_distributed(a.pg_timeout)
-    cp.check_layout(cfg.seq_len, world)  # a clear error on every rank before any message
+    if a.dp < 1 or world % a.dp or cfg.batch % a.dp:
+        raise ValueError(f"--dp {a.dp} must divide the {world} ranks and the batch of {cfg.batch} sequences")
+    # a clear error on every rank before any message: the saved and train tasks' rings have world/dp ranks
+    for ring_ranks in {world // a.dp if t in ("saved", "train") else world for t in tasks}:
+        cp.check_layout(cfg.seq_len, ring_ranks)
     seed_everything(cfg.seed)
     report = CPReport(world=world, seq_len=cfg.seq_len)
     if "exact" in tasks:
         report.layouts = [exact_task(cfg, layout, device) for layout in cp.LAYOUTS]
     if "saved" in tasks:
-        report.saved = saved_task(cfg, device)
+        report.saved = saved_task(cfg, device, a.dp)
     if "train" in tasks:
-        report.train = train_task(cfg, device)
+        report.train = train_task(cfg, device, a.dp, a.zero_stage)
     if "api" in tasks:
         report.api = api_task(cfg, device)
     launch.report(report)
