@@ -151,8 +151,11 @@ def test_context_parallel_plan_matches_real_ranks(c: dict, profile: str) -> None
     assert all(abs(v - 1) < 1e-9 for v in r["one block's saves"]), r["one block's saves"]
     assert all(abs(v - 1) < 1e-9 for v in r["ring bytes per step"]), r["ring bytes per step"]
     # the whole peak: on the safe side by up to the ring's blocks in flight, and the capstone's 2% / 3%
-    lo, hi = r["peak"]
-    assert 1 - c["ch12/cp_ring_in_flight_share"] - 0.02 <= lo <= hi <= 1.03, (lo, hi)
+    if profile != "gpu":  # the ranks run where the plan was measured: on the CPU
+        assert c["ch12/cp_peak_comparable"] is True
+    if c["ch12/cp_peak_comparable"]:
+        lo, hi = r["peak"]
+        assert 1 - c["ch12/cp_ring_in_flight_share"] - 0.02 <= lo <= hi <= 1.03, (lo, hi)
     assert c["ch12/cp_loss_diff"] < 1e-5
 
 

@@ -250,7 +250,7 @@ def train_task(cfg: RunConfig, device: torch.device, dp: int = 1, zero_stage: in
         losses.append(total.item())
     return {"ref_losses": ref_losses, "losses": losses, "seconds": gather_per_rank(seconds),
             "sent_per_step": ring.counter.bytes / cfg.steps, "peak": gather_per_rank(peak),
-            "held": gather_per_rank(held()), "dp": dp, "zero_stage": zero_stage,
+            "held": gather_per_rank(held()), "dp": dp, "zero_stage": zero_stage, "device": device.type,
             "batch_bytes": gather_per_rank(memory.tensor_bytes(x) + memory.tensor_bytes(y))}
 
 
