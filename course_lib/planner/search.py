@@ -1,8 +1,9 @@
 """Search: ``plan`` weighs every candidate ``Config``, keeps the fastest that fits, says why (chapter 12, section 3).
 
 For every combination of precision, micro-batch with accumulation, checkpoint segments, ZeRO stage,
-layout over the ranks (data x tensor x context x pipeline) and chapter 10's options, ``plan`` takes the largest micro-batch whose predicted peak
-(``predict.predict_peak``) fits the budget less a headroom, ranks those by predicted speed
+layout over the ranks (data x tensor x context x pipeline) and chapter 10's options, ``plan`` takes the largest
+micro-batch whose predicted peak (``predict.predict_peak``) fits the budget less a headroom, ranks those by
+predicted speed
 (``predict.predict_step_time``) and explains the choice; ``Plan.table`` lists every candidate. The model is
 measured once (``measure.calibrate``); the notebook's Experiment then runs the chosen plan (``step``).
 """
@@ -205,8 +206,9 @@ def plan(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, mem
     shards over the ``d x c`` ranks, which all hold the whole model.
 
     ``pipeline_stages = p > 1`` cuts the blocks into ``p`` pipeline stages on ``p`` of the ranks (chapter 07), the
-    others data-parallel (a tuple: each ``p`` is tried); each of ``virtual_stages`` is tried (``v > 1``: interleaved 1F1B, for a smaller bubble
-    and more activations in flight), where it cuts the blocks and the accumulation steps come in groups of ``p``.
+    others data-parallel (a tuple: each ``p`` is tried); each of ``virtual_stages`` is tried (``v > 1``:
+    interleaved 1F1B, for a smaller bubble and more activations in flight), where it cuts the blocks and the
+    accumulation steps come in groups of ``p``.
 
     ``loss_fn`` and ``make_batch(m) -> (inputs, targets)`` default to ``default_batch``'s. The model is measured in
     place on ``device`` (default: where its parameters are) and left as it was. Raises ``ValueError`` when
