@@ -201,7 +201,19 @@ def test_worker_refuses_a_bad_sequence_length() -> None:
     bad = RunConfig(vocab=40, d_model=16, n_heads=2, n_layers=1, seq_len=6, batch=2)
     with pytest.raises(RuntimeError, match="not divisible by 2c = 4"):
         launch.run("course_lib.workers.cp_compare", 2, ["--tasks", "exact", "--cfg", bad.to_json()], timeout=120)
-    good = dataclasses.replace(bad, seq_len=8)
-    with pytest.raises(RuntimeError, match="--dp 3 must divide the 2 ranks"):  # data-parallel groups of rings
-        launch.run("course_lib.workers.cp_compare", 2, ["--tasks", "train", "--dp", "3", "--cfg", good.to_json()],
-                   timeout=120)
+
+
+def test_worker_refuses_data_parallel_groups_that_do_not_divide(monkeypatch) -> None:
+    # checked from the launch's WORLD_SIZE before the process group starts: no rank waits for another
+    from course_lib.workers import cp_compare
+
+    cfg = RunConfig(vocab=40, d_model=16, n_heads=2, n_layers=1, seq_len=8, batch=2)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for dp, what in (("3", "--dp 3 must divide the 2 ranks"), ("0", "--dp 0 must divide")):
+        monkeypatch.setattr("sys.argv", ["cp_compare", "--tasks", "train", "--dp", dp, "--cfg", cfg.to_json()])
+        with pytest.raises(ValueError, match=what):
+            cp_compare.main()
+    monkeypatch.setattr("sys.argv", ["cp_compare", "--tasks", "train", "--dp", "2", "--cfg",
+                                     dataclasses.replace(cfg, batch=3).to_json()])
+    with pytest.raises(ValueError, match="the batch of 3 sequences"):
+        cp_compare.main()

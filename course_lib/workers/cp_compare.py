@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -301,9 +302,10 @@ def main() -> None:
     unknown = set(tasks) - set(TASKS)
     if unknown:
         raise ValueError(f"unknown task(s) {sorted(unknown)}; choose from {', '.join(TASKS)}")
-    rank, world, device = launch.init_distributed(a.pg_timeout)
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # checked before any rank waits for another
     if a.dp < 1 or world % a.dp or cfg.batch % a.dp:
         raise ValueError(f"--dp {a.dp} must divide the {world} ranks and the batch of {cfg.batch} sequences")
+    rank, world, device = launch.init_distributed(a.pg_timeout)
     # a clear error on every rank before any message: the saved and train tasks' rings have world/dp ranks
     for ring_ranks in {world // a.dp if t in ("saved", "train") else world for t in tasks}:
         cp.check_layout(cfg.seq_len, ring_ranks)

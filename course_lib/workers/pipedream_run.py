@@ -123,9 +123,10 @@ def train_seed(a: argparse.Namespace, seed: int, rank: int, world: int) -> SeedR
                    stage_param_bytes=[g["param_bytes"] for g in got])
 
 
-def timed_runs(a: argparse.Namespace, rank: int, world: int) -> list[TimedRun] | None:
-    """PipeDream and PipeDream-Flush over the same n micro-batches, every op padded to a fixed time."""
-    pad = {"F": a.t_forward_ms / 1e3, "B": a.t_backward_ms / 1e3}
+def timed_runs(a: argparse.Namespace, rank: int, world: int, padded: bool = True) -> list[TimedRun] | None:
+    """PipeDream and PipeDream-Flush over the same n micro-batches, every op padded to a fixed time (``padded``;
+    unpadded, a warm-up: the same first calls and messages without the sleeps)."""
+    pad = {"F": a.t_forward_ms / 1e3, "B": a.t_backward_ms / 1e3} if padded else None
     clock, out = CpuClock(), []
     for kind in ("async", "flush"):
         model = _model(a, world, a.seeds[0])
@@ -191,7 +192,7 @@ def main() -> None:
     rank, world, _ = launch.init_distributed(timeout_s=a.pg_timeout)
     torch.set_num_threads(1)                       # p ranks share the cores: one thread each
     result = PipeDreamResult(world, a.microbatches, a.flush_m)
-    timed_runs(argparse.Namespace(**{**vars(a), "microbatches": a.flush_m}), rank, world)  # warm-up, not kept
+    timed_runs(argparse.Namespace(**{**vars(a), "microbatches": a.flush_m}), rank, world, padded=False)  # warm-up
     for seed in a.seeds:
         run = train_seed(a, seed, rank, world)
         if run is not None:
