@@ -93,9 +93,13 @@ def data_parallel_ranks(config: Config, world_size: int) -> int:
 
 def layout(config: Config, world_size: int) -> str:
     """``config``'s layout of ``world_size`` ranks in a few characters: ``4``, ``2x2t``, ``1x4c``, ``2x2p/2``."""
-    axes = [f"{n}{a}" for n, a in ((config.tp, "t"), (config.cp, "c"), (config.pp, "p")) if n > 1]
-    text = "x".join([str(data_parallel_ranks(config, world_size)), *axes])
-    return text + (f"/{config.virtual_stages}" if config.virtual_stages > 1 else "")
+    return _layout_text(data_parallel_ranks(config, world_size), config.tp, config.cp, config.pp,
+                        config.virtual_stages)
+
+
+def _layout_text(d: int, t: int, c: int, p: int = 1, v: int = 1) -> str:
+    axes = [f"{n}{a}" for n, a in ((t, "t"), (c, "c"), (p, "p")) if n > 1]
+    return "x".join([str(d), *axes]) + (f"/{v}" if v > 1 else "")
 
 
 def segment_options(n_blocks: int) -> list[int]:
@@ -135,7 +139,7 @@ def _layouts(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int,
                                                       if context_parallel else [])]
     ok = [(t, c) for t, c in sizes if global_batch % (world_size // (t * c)) == 0]
     if not ok:
-        names = " or ".join(f"{world_size // (t * c)}x{t * c}{'c' if c > 1 else 't'}" for t, c in sizes[1:])
+        names = " or ".join(_layout_text(world_size // (t * c), t, c) for t, c in sizes[1:])
         raise ValueError(f"global batch {global_batch} does not split evenly over {world_size} ranks: use a multiple "
                          f"of {world_size}" + (f" (or of the data-parallel ranks d of a layout: {names})"
                                               if len(sizes) > 1 else ""))
