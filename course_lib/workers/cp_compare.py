@@ -37,10 +37,10 @@ from course_lib import memory
 from course_lib.distributed import context_parallel as cp
 from course_lib.distributed import launch
 from course_lib.distributed.results import WorkerResult
-from course_lib.distributed.zero import ZeroOptimizer
+from course_lib.distributed.zero import ZeroOptimizer, held_bytes
 from course_lib.env import seed_everything
 from course_lib.models import TransformerBlock, lm_loss
-from course_lib.workers.zero_common import RunConfig, build_model, gather_per_rank, global_batch
+from course_lib.workers.zero_common import RunConfig, build_model, gather_per_rank, global_batch, local_batch
 from course_lib.workers.zero_compare import reference
 
 TASKS = ("exact", "saved", "train", "api")
@@ -204,7 +204,6 @@ def train_task(cfg: RunConfig, device: torch.device, dp: int = 1, zero_stage: in
         raise ValueError(f"the train task runs ZeRO stages 0-2, got {zero_stage}")
     ring = rings(cfg.seq_len, dp)
     c = ring.world
-    rows = slice(rank // c * cfg.batch // dp, (rank // c + 1) * cfg.batch // dp)
     ref_losses, _ = reference(cfg)  # one process, the whole batch: what the ring must equal
     model = build_model(cfg, device)
     if zero_stage:
@@ -221,12 +220,11 @@ def train_task(cfg: RunConfig, device: torch.device, dp: int = 1, zero_stage: in
             opt.step()
 
         def held() -> dict[str, int]:  # the states this rank holds, as chapter 01 counts them
-            return dict(params=memory.param_bytes(model), grads=memory.grad_bytes(model),
-                        optimizer=memory.optimizer_state_bytes(opt))
+            return held_bytes(model, opt)
     scale = world if zero_stage else 1
     losses, seconds, peak = [], [], None
     for step in range(cfg.steps):
-        x, y = (t[rows] for t in global_batch(cfg, step))
+        x, y = local_batch(cfg, step, rank // c, dp)  # this data-parallel group's rows
         x, y = (cp.shard(t, c, ring.rank, ring.layout).to(device) for t in (x, y))  # this rank's positions
         zero_grad()
         parts: list[torch.Tensor] = []
