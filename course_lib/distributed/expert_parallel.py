@@ -75,8 +75,8 @@ def exchange_counts(counts: torch.Tensor, ep: int, counter: ByteCounter | None =
 class ExpertParallelMoE(nn.Module):
     """This rank's part of a ``MoEMLP`` on an EP group: the router copied, experts ``shard*E/e .. (shard+1)*E/e``.
 
-    ``forward`` keeps ``routing``, ``send_splits``/``recv_splits`` (rows of the
-    dispatch buffers, per peer) and ``recv_counts``. ``a2a`` swaps the hand-written
+    ``forward`` keeps ``routing`` and ``send_splits``/``recv_splits`` (rows of the
+    dispatch buffers, per peer). ``a2a`` swaps the hand-written
     all-to-all for torch's differentiable one (``torch.distributed.nn``).
     """
 
@@ -95,7 +95,6 @@ class ExpertParallelMoE(nn.Module):
         self.routing: Routing | None = None
         self.send_splits: list[int] = []
         self.recv_splits: list[int] = []
-        self.recv_counts: torch.Tensor | None = None
 
     def _send(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
         if self.a2a == "torch":  # the real API: autograd built in, no byte counting
@@ -125,7 +124,7 @@ class ExpertParallelMoE(nn.Module):
         outs = [m(rows) for m, rows in zip(self.experts, arrived[perm].split(per_expert))]
         done = torch.cat(outs)
         home = self._send(done[torch.argsort(perm)], send_splits, recv_splits)  # rows back in send order
-        self.send_splits, self.recv_splits, self.recv_counts = send_splits, recv_splits, recv_counts
+        self.send_splits, self.recv_splits = send_splits, recv_splits
         out = torch.zeros_like(tokens).index_add(0, a % n, home * gate[a, None])
         return out.reshape(x.shape)
 

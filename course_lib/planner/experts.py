@@ -26,10 +26,14 @@ class ExpertLayout:
     ep: int
     dp: int
     params: int                 # router + this rank's experts
-    states: int                 # STATE_BYTES per parameter
     transient: float            # dispatch buffers and the experts' activations, forward and backward
     all_to_all: float           # bytes sent per layer and step (even routing)
     grad_sync: float            # bytes sent per step summing the gradients (ring all-reduce)
+
+    @property
+    def states(self) -> int:
+        """Model states: STATE_BYTES per parameter."""
+        return STATE_BYTES * self.params
 
     @property
     def peak(self) -> float:
@@ -55,7 +59,7 @@ def predict_experts(d_model: int, d_hidden: int, n_experts: int, tokens_per_rank
     transient = 4 * rows + rows / d_model * d_hidden * 2
     grad_sync = (ring_factor("all_reduce", world) * params["router"]
                  + ring_factor("all_reduce", dp) * params["experts"]) * elem_bytes
-    return ExpertLayout(ep, dp, sum(params.values()), STATE_BYTES * sum(params.values()), transient,
+    return ExpertLayout(ep, dp, sum(params.values()), transient,
                         expert_parallel.bytes_per_layer(tokens_per_rank, d_model, k, ep, elem_bytes), grad_sync)
 
 

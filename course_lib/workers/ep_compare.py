@@ -27,6 +27,8 @@ from course_lib.distributed.comm import ByteCounter
 from course_lib.distributed.expert_parallel import ExpertParallelMoE, expert_dp_groups
 from course_lib.moe import MoEMLP, no_drop_factor
 from course_lib.workers.ep_results import EPReport, EPRun
+from course_lib.workers.tp_common import max_over_ranks
+from course_lib.workers.zero_common import gather_per_rank
 
 
 def _diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
@@ -35,18 +37,6 @@ def _diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
         return 0.0
     a, b = (torch.zeros_like(b) if a is None else a), (torch.zeros_like(a) if b is None else b)
     return (a - b).abs().max().item() if a.numel() else 0.0
-
-
-def _max(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
-def _gather(value):
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
 
 
 def one_run(args: argparse.Namespace, ep: int, k: int, capacity_factor: float, a2a: str,
@@ -64,7 +54,9 @@ def one_run(args: argparse.Namespace, ep: int, k: int, capacity_factor: float, a
     counter = ByteCounter()
     layer = ExpertParallelMoE(full, groups["ep"], counter if a2a == "by_hand" else None, a2a)
     x_ref = x.clone().requires_grad_()
-    (full(x_ref) * w).sum().backward()
+    ref_out = full(x_ref)
+    (ref_out * w).sum().backward()
+    ref_out = ref_out.detach()
     x_mine = x[mine].clone().requires_grad_()
     out = layer(x_mine)
     (out * w[mine]).sum().backward()
@@ -80,25 +72,25 @@ def one_run(args: argparse.Namespace, ep: int, k: int, capacity_factor: float, a
     first = layer.shard * layer.per
     expert_diff = max(_diff(p.grad, q.grad) for i, m in enumerate(layer.experts)
                       for p, q in zip(m.parameters(), full.experts[first + i].parameters()))
-    with torch.no_grad():
-        ref_out = full(x)
     r = layer.routing
     send, recv, me = layer.send_splits, layer.recv_splits, layer.shard
     off = [sum(send) - send[me], sum(recv) - recv[me]]  # rows that left this rank, rows that came from others
     return EPRun(
         ep=ep, dp=dp, k=k, a2a=a2a, capacity_factor=capacity_factor, tokens_per_rank=args.tokens,
         row_bytes=8 * args.d_model,  # float64
-        out_diff=_max(_diff(out.detach(), ref_out[mine])),
-        input_grad_diff=_max(_diff(x_mine.grad, x_ref.grad[mine])),
-        router_grad_diff=_max(_diff(layer.router.weight.grad, full.router.weight.grad)),
-        expert_grad_diff=_max(expert_diff),
-        drop_rate=_gather(r.drop_rate()),
-        sent=_gather(counter.by_op.get("all_to_all", 0.0)), sent_counts=_gather(counter.by_op.get("counts", 0.0)),
-        off_rank_rows=_gather(off), send_rows=_gather(sum(send)), recv_rows=_gather(sum(recv)),
-        capacity=_gather(r.capacity),
-        params=_gather({"router": sum(p.numel() for p in layer.router.parameters()),
+        out_diff=max_over_ranks(_diff(out.detach(), ref_out[mine])),
+        input_grad_diff=max_over_ranks(_diff(x_mine.grad, x_ref.grad[mine])),
+        router_grad_diff=max_over_ranks(_diff(layer.router.weight.grad, full.router.weight.grad)),
+        expert_grad_diff=max_over_ranks(expert_diff),
+        drop_rate=gather_per_rank(r.drop_rate()),
+        sent=gather_per_rank(counter.by_op.get("all_to_all", 0.0)),
+        sent_counts=gather_per_rank(counter.by_op.get("counts", 0.0)),
+        off_rank_rows=gather_per_rank(off), send_rows=gather_per_rank(sum(send)),
+        recv_rows=gather_per_rank(sum(recv)),
+        capacity=gather_per_rank(r.capacity),
+        params=gather_per_rank({"router": sum(p.numel() for p in layer.router.parameters()),
                         "experts": sum(p.numel() for p in layer.experts.parameters())}),
-        grad_sync=_gather(sync_bytes))
+        grad_sync=gather_per_rank(sync_bytes))
 
 
 def main() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from course_lib.distributed.results import WorkerResult
+from course_lib.moe import no_drop_factor
 
 
 @dataclass
@@ -50,7 +51,8 @@ class EPReport(WorkerResult):
     def run(self, ep: int, dp: int, k: int, a2a: str = "by_hand", dropping: bool = False) -> EPRun:
         """The run of that layout, ``k`` and all-to-all; ``dropping``: the one at a capacity that drops."""
         for r in self.runs:
-            if (r.ep, r.dp, r.k, r.a2a) == (ep, dp, k, a2a) and (r.capacity_factor < self.n_experts / k) == dropping:
+            drops = r.capacity_factor < no_drop_factor(self.n_experts, k)
+            if (r.ep, r.dp, r.k, r.a2a) == (ep, dp, k, a2a) and drops == dropping:
                 return r
         raise KeyError(f"no run ep={ep} dp={dp} k={k} a2a={a2a} dropping={dropping}; the launch ran "
                        f"{[(r.ep, r.dp, r.k, r.a2a, r.capacity_factor) for r in self.runs]}")
