@@ -264,7 +264,8 @@ class ZeroOptimizer:
         if self._grad_version is not None and self.flat_grads._version != self._grad_version:
             self._grad_version = None
             raise RuntimeError(f"the gradients were changed in place after step() {MISUSE}")
-        self._grad_version = None
+        # a new step: nothing reduced yet (clip_grad_norm_ may have reduced the last one, whose step() was skipped)
+        self._reduced, self._grad_version = False, None
         if self.flat_grads is None:
             self.flat_grads = torch.zeros_like(self.flat_params)
         else:

@@ -27,13 +27,13 @@ import argparse
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from course_lib.distributed import launch
 from course_lib.distributed.results import WorkerResult
 from course_lib.distributed.zero import ZeroOptimizer
+from course_lib.workers.zero_common import gather_per_rank
 
 DTYPE = torch.float64
 LR = 1e-2
@@ -80,12 +80,6 @@ def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).pow(2).mean()
 
 
-def _gather(value: object) -> list:
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
-
-
 def _flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
@@ -118,9 +112,9 @@ def skip_case(rank: int, world: int) -> SkipCase:
                     (_loss(ref, _batch(step, r, micro)) / 2 / world).backward()
         ref_opt.step()
     diff = (_flat(model) - _flat(ref)).abs().max().item()
-    flats = _gather(_flat(model))
-    return SkipCase(max_diff=_gather(diff), ranks_equal=all(torch.equal(flats[0], f) for f in flats),
-                    control_calls=_gather(opt.control_calls))
+    flats = gather_per_rank(_flat(model))
+    return SkipCase(max_diff=gather_per_rank(diff), ranks_equal=all(torch.equal(flats[0], f) for f in flats),
+                    control_calls=gather_per_rank(opt.control_calls))
 
 
 class _Tied(nn.Module):
@@ -150,8 +144,8 @@ def twice_case(rank: int, world: int) -> TwiceCase:
     opt.zero_grad()
     model(x.detach()).pow(2).mean().backward()
     opt.step()
-    flats = _gather(_flat(model))
-    return TwiceCase(errors=_gather(error), then_ok=all(torch.equal(flats[0], f) for f in flats))
+    flats = gather_per_rank(_flat(model))
+    return TwiceCase(errors=gather_per_rank(error), then_ok=all(torch.equal(flats[0], f) for f in flats))
 
 
 def clip_case(rank: int, world: int) -> ClipCase:
@@ -188,7 +182,7 @@ def clip_case(rank: int, world: int) -> ClipCase:
     except RuntimeError as exc:
         misuse = str(exc)
     return ClipCase(max_diff=max_diff, norm_diff=norm_diff, clipped=min(ref_norms) > max_norm,
-                    misuse_errors=_gather(misuse))
+                    misuse_errors=gather_per_rank(misuse))
 
 
 def main() -> None:
