@@ -57,7 +57,7 @@ from torch import nn
 from course_lib.distributed import comm
 from course_lib.distributed.clock import Clock, clock_for
 from course_lib.distributed.pipeline import Schedule, check_schedule, num_chunks
-from course_lib.distributed.pipeline_messages import (Link, message_batches, op_links,  # noqa: F401 (re-exported)
+from course_lib.distributed.pipeline_messages import (message_batches, op_links,  # noqa: F401 (re-exported)
                                                       peak_sends_held, send_releases)
 from course_lib.memory import saved_activation_bytes
 
@@ -138,8 +138,7 @@ def run_stage(stage: nn.Module | Sequence[nn.Module], schedule: Schedule, rank: 
     with ``weights(i)`` (the parameters micro-batch ``i``'s forward runs on:
     a stashed copy) and ``after_backward(i)`` (apply its gradient, step).
     """
-    world = len(schedule)
-    _, _, split = check_schedule(schedule)
+    world, num_mb, split = check_schedule(schedule)
     order = [tuple(o) for o in schedule[rank]]
     v = num_chunks(schedule)
     chunks = list(stage) if isinstance(stage, (list, tuple)) else [stage]
@@ -151,7 +150,6 @@ def run_stage(stage: nn.Module | Sequence[nn.Module], schedule: Schedule, rank: 
     if (weights or after_backward) and (v > 1 or split):
         raise ValueError("weight stashing and per-micro-batch updates run on plain 1F1B orders (one chunk, no W)")
     first, last = rank == 0, rank == world - 1
-    num_mb = len({o[1] for o in order})
     # one step per micro-batch (PipeDream): its own mean loss; else the batch's mean over micro-batches
     div = 1 if after_backward else num_mb
     if first and (inputs is None or len(inputs) != num_mb):
@@ -161,7 +159,7 @@ def run_stage(stage: nn.Module | Sequence[nn.Module], schedule: Schedule, rank: 
     clock = clock or clock_for(device)
     params = [list(ch.parameters()) for ch in chunks]
     batches = message_batches(order, rank, world, v)
-    releases = send_releases(schedule, rank) if world > 1 else [None] * len(order)
+    releases = send_releases(schedule, rank)
     held: dict[int, tuple[comm.Exchange, torch.Tensor]] = {}   # op k -> its send, tensor kept until it is done
     graphs: dict[tuple[int, int], list] = {}        # (mb, chunk) -> [input, output or loss, bytes, grad]
     marks, pads, outputs, losses = [], [], [], []   # resolved into seconds at the end (on CUDA that syncs)

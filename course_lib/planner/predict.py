@@ -247,7 +247,7 @@ def predict_step_time(meas: Measurements, config: Config, world_size: int = 1,
         terms = pipeline_terms(config, meas.n_blocks)
         whole = predict_step_time(meas, dataclasses.replace(config, pp=1, virtual_stages=1), world_size // config.pp,
                                   bandwidth, tp_bandwidth, host_bandwidth)
-        boundary = meas.boundary_per_sample.get(config.pass_key, 0.0) * config.micro_batch
+        boundary = block_saves(meas, config)[2] * config.micro_batch  # a block's output (this rank's shard)
         p2p = terms["crossings"] / config.pp * config.accumulation_steps * boundary  # per rank, at intra-node speed
         return whole / config.pp / (1 - terms["bubble"]) + p2p / tp_bandwidth
     alpha, beta = _measured(meas, "time", config)

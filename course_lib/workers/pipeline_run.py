@@ -29,11 +29,9 @@ from course_lib.data import make_tokens
 from course_lib.distributed import launch
 from course_lib.distributed.clock import Clock, clock_for
 from course_lib.distributed.results import WorkerResult
-from course_lib.distributed.pipeline import bubble_formula, make_schedule, simulate, zb_h1_bubble_formula
+from course_lib.distributed.pipeline import KINDS, bubble_formula, make_schedule, simulate, zb_h1_bubble_formula
 from course_lib.distributed.pipeline_exec import (StageRun, boundary_shapes, measured_bubble, peak_sends_held,
                                                   run_stage, split_sequential)
-
-KINDS = ("gpipe", "1f1b", "zb-h1", "interleaved")
 from course_lib.env import seed_everything
 from course_lib.models import TinyTransformer, lm_loss
 
@@ -63,8 +61,7 @@ def build(a: argparse.Namespace, world: int, m: int, v: int = 1):
     return model, reference, x, y, logits.detach()
 
 
-def _max_grad_diff(stage: torch.nn.Module | list, ref_stage: torch.nn.Module | list) -> float:
-    stages, refs = (stage, ref_stage) if isinstance(stage, list) else ([stage], [ref_stage])
+def _max_grad_diff(stages: list, refs: list) -> float:
     diffs = [(p.grad - r.grad).abs().max().item() for s, r_ in zip(stages, refs)
              for p, r in zip(s.parameters(), r_.parameters())]
     return max(diffs, default=0.0)
@@ -142,7 +139,7 @@ def handmade_step(a: argparse.Namespace, kind: str, m: int, rank: int, world: in
     # stage's time; it is padded to the whole t_f / t_b instead: the bubble, a fraction, does not depend
     # on the unit of time, and longer ops leave a shared machine's messaging delays less weight.
     pad = None if a.t_forward_ms <= 0 else {"F": t_f, "B": t_b / (2 if kind == "zb-h1" else 1), "W": t_b / 2}
-    if pad and kind in _names(a.main_only):
+    if pad and kind in a.main_only:
         pad = {op: a.main_pad_scale * t for op, t in pad.items()}
     dist.barrier()                                 # start together, so idle time is the schedule's
     run = run_stage(mine_ if v > 1 else mine_[0], schedule, rank, shapes if v > 1 else shapes[0],
@@ -251,7 +248,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     launch.add_timeout_arg(parser)
     a = parser.parse_args()
-    kinds = [k.strip() for k in a.schedules.split(",") if k.strip()]
+    kinds, a.main_only = _names(a.schedules), set(_names(a.main_only))
     bad = [k for k in kinds if k not in KINDS]
     if bad:
         raise ValueError(f"this worker runs the schedules {', '.join(KINDS)}; got {bad}")
@@ -272,11 +269,11 @@ def main() -> None:
                           clock)
         main_m = _ints(a.torch_microbatches or a.microbatches)[-1]
         for kind in kinds:
-            for m in (_ints(a.microbatches) if kind not in _names(a.main_only) else [main_m]):
+            for m in (_ints(a.microbatches) if kind not in a.main_only else [main_m]):
                 # On a shared machine another process can stall a rank for a while;
                 # the fastest of a few repeats is the one closest to the schedule itself.
                 # (schedules run at one m only get at least 3 tries: they are few, and their ops shorter)
-                n = a.repeats if kind not in _names(a.main_only) else max(3, a.repeats)
+                n = a.repeats if kind not in a.main_only else max(3, a.repeats)
                 tries = [handmade_step(a, kind, m, rank, world, device, clock) for _ in range(n)]
                 if rank == 0:
                     best = min(tries, key=lambda r: r.makespan_s)
