@@ -25,10 +25,9 @@ _cache: dict[str, dict] = {}
 # tests leave idle, while the tests go on: those whose kernel runs alone (single-threaded), and three that start
 # ranks but whose claims are counts, bytes and memory, which a busy machine does not move (06 and 07 measure CPU
 # time and bubbles, 08 what asynchronous buckets hold in flight: they run in the foreground).
+# The others must not share the machine with it: they wait until the background run is done (ZeRO-2's saving in
+# 08 fell to 0.59 of its formula once, with chapter 12's ranks running beside it).
 PREFETCH = ("00", "01", "02", "03", "04", "05", "10", "09", "11", "12")
-# ... and those that must not share the machine with it: their notebooks wait until the background run is done
-# (ZeRO-2's saving in 08 fell to 0.59 of its formula once, with chapter 12's ranks running beside it)
-ALONE = ("06", "07", "08")
 _prefetch: dict[str, Path] = {}
 _prefetcher: subprocess.Popen | None = None
 
@@ -107,7 +106,7 @@ def notebook_claims(prefix: str) -> dict:
     Fails the test with the notebook's error when it does not run through.
     """
     if prefix not in _cache:
-        if prefix in ALONE:
+        if prefix not in PREFETCH:
             _background_done()
         _cache[prefix] = _prefetched(prefix) or runner.execute(runner.find_notebooks([prefix])[0], PROFILE, OUT)
     result = _cache[prefix]
