@@ -1,6 +1,7 @@
-"""Each notebook's time at the ``cpu`` profile against its budget: 3 minutes a notebook, 20 for the course.
+"""Each notebook's time at the ``cpu`` profile against its budget (``env.BUDGET_S``: 3 minutes a notebook, 20 for
+the course), with the CPU's capability and bf16 speed beside the times (``env.cpu_speed``).
 
-The budgets hold on two idle CPU cores (a laptop). Run it there:
+The budgets hold on two idle CPU cores (a laptop), with native bf16 or without. Run it there:
 
     .venv/bin/course bench --only notebooks          # every notebook, in `course bench`'s table
     .venv/bin/python benchmarks/bench_notebooks.py 02 04    # some, with `course run`'s time table
@@ -19,9 +20,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
+from course_lib import env  # noqa: E402
 from course_lib.tools import runner  # noqa: E402
 
-BUDGET_S = {"cpu": (runner.CPU_BUDGET_S, 20 * 60.0), "smoke": (90.0, 15 * 60.0)}  # (a notebook, the course)
+BUDGET_S = env.BUDGET_S  # (a notebook, the whole course) in seconds, per profile
 
 
 def measure(names: list[str] | None = None, profile: str | None = None) -> list[dict]:
@@ -35,7 +37,9 @@ def run() -> dict[str, dict]:
     """For ``course bench``: wall and CPU seconds of every notebook, the wall time against its budget."""
     profile = os.environ.get("BENCH_NOTEBOOKS_PROFILE", "cpu")
     one, total = BUDGET_S[profile]
-    out: dict[str, dict] = {}
+    cpu = env.cpu_speed()
+    out: dict[str, dict] = {"cpu_capability": {"value": cpu.capability, "goal": None},
+                            "cpu_bf16_over_fp32_matmul_time": {"value": cpu.bf16_over_fp32, "goal": None}}
     runs = measure(profile=profile)
     for r in runs:
         stem = Path(r["notebook"]).stem
@@ -50,6 +54,7 @@ if __name__ == "__main__":
     chosen = sys.argv[1:] or None
     profile = os.environ.get("BENCH_NOTEBOOKS_PROFILE", "cpu")
     print(runner.processes_note(profile))
+    print(runner.cpu_note())
     note = runner.busy_note()
     if note:
         print(note)

@@ -3,8 +3,11 @@
 A *profile* names how big the experiments are:
 
 - ``smoke``: CI, about a minute per notebook on two CPU cores;
-- ``cpu``: a laptop, at most five minutes per notebook;
+- ``cpu``: a laptop, at most three minutes per notebook and twenty for the course (``BUDGET_S``);
 - ``gpu``: one modern GPU, full sizes (it needs CUDA: see ``pick_profile``).
+
+Not every CPU runs bf16 at speed: ``cpu_speed`` measures it, and the notebooks whose bf16 cells would take
+minutes on a CPU that emulates bf16 run those cells smaller there (``bf16_is_slow``).
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import os
 import random
 import time
+from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, TypeVar
 
 if TYPE_CHECKING:
@@ -23,6 +28,15 @@ if TYPE_CHECKING:
 
 PROFILES = ("smoke", "cpu", "gpu")
 T = TypeVar("T")
+
+# The course's time budgets, the one place they are stated (the README, chapter 00, `course run`'s table and
+# benchmarks/bench_notebooks.py read them from here): seconds (a notebook, the whole course) at each profile, on two
+# idle CPU cores of either kind (with or without native bf16; see cpu_speed). smoke is what the tests run.
+BUDGET_S = {"smoke": (90.0, 15 * 60.0), "cpu": (3 * 60.0, 20 * 60.0)}
+# A bf16 matmul this many times slower than the same fp32 one means the CPU emulates bf16. Measured: 0.2-0.5 on
+# CPUs with AVX512-BF16 or AMX; 30-60 on AVX2-only CPUs, where oneDNN has no bf16 kernel and converts element
+# by element. Anything between would still make a bf16 cell several times slower than its fp32 twin.
+BF16_SLOW_RATIO = 3.0
 
 
 def check_profile(profile: str) -> str:
@@ -52,7 +66,7 @@ def pick_profile(requested: str | None = None) -> str:
         raise ValueError(
             f"profile 'gpu' ({source}) needs a CUDA GPU, and PyTorch sees none "
             f"(torch {torch.__version__}, torch.cuda.is_available() is False). Its sizes would run on the CPU "
-            "for hours. Choose 'cpu' (at most 5 minutes a notebook) or 'smoke' (about a minute): "
+            "for hours. Choose 'cpu' (at most 3 minutes a notebook) or 'smoke' (about a minute): "
             'PROFILE = "cpu" in the parameters cell, COURSE_PROFILE=cpu, or `course run --profile cpu`. '
             "If this machine has a GPU, `course doctor` shows what PyTorch sees (a CPU-only torch build, or a "
             "driver older than the build needs); on a hosted notebook, choose a GPU runtime."
@@ -134,6 +148,63 @@ def seed_everything(seed: int) -> "torch.Generator":
     return torch.Generator().manual_seed(seed)
 
 
+@dataclass(frozen=True)
+class CpuSpeed:
+    """What this CPU's vector units are, and how fast it runs bf16 against fp32 (see ``cpu_speed``)."""
+
+    capability: str        # torch.backends.cpu.get_cpu_capability(): "AVX512", "AVX2", "DEFAULT", ...
+    bf16_over_fp32: float  # time of a bf16 matmul over the same matmul in fp32, on one thread
+
+    @property
+    def bf16_is_slow(self) -> bool:
+        """True where bf16 is emulated: its matmuls take several times fp32's."""
+        return self.bf16_over_fp32 > BF16_SLOW_RATIO
+
+    def summary(self) -> str:
+        """One line: the capability, the measured ratio, and what it means for the course."""
+        speed = (f"a bf16 matmul takes {self.bf16_over_fp32:.1f}x as long as fp32" if self.bf16_over_fp32 >= 1
+                 else f"a bf16 matmul takes {self.bf16_over_fp32:.2f} of fp32's time")
+        meaning = ("bf16 is emulated on this CPU: the bf16 cells of the cpu profile run at smaller sizes there "
+                   "(chapters 05 and 12 say so where they do), and bf16 times say nothing about a GPU"
+                   if self.bf16_is_slow else "bf16 runs natively on this CPU")
+        return f"{self.capability}, {speed} ({meaning})"
+
+
+@lru_cache(maxsize=1)
+def cpu_speed() -> CpuSpeed:
+    """Measure this CPU's bf16 / fp32 matmul time ratio once per process (about 0.1 s, 0.3 s where emulated).
+
+    A batched 4 x 256 x 256 product, the shape class of attention's matmuls (``bmm`` is where emulated bf16
+    loses most), on one thread so that a busy second core does not move it; the fastest of three calls each.
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        a, b = torch.randn(4, 256, 256, generator=gen), torch.randn(4, 256, 256, generator=gen)
+        best = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            x, y = a.to(dtype), b.to(dtype)
+            torch.bmm(x, y)  # warm-up: the first call picks and may build the kernel
+            best[dtype] = min(time_s(lambda: torch.bmm(x, y), "cpu") for _ in range(3))
+    finally:
+        torch.set_num_threads(threads)
+    return CpuSpeed(torch.backends.cpu.get_cpu_capability(), best[torch.bfloat16] / best[torch.float32])
+
+
+def bf16_is_slow(device: "torch.device | str") -> bool:
+    """Whether bf16 work on ``device`` runs emulated, many times slower than fp32 (a CPU without native bf16).
+
+    A notebook asks this before a bf16 cell whose *time* would break the cpu budget: its claims are about
+    bytes, which do not need bf16's speed, so it runs that cell at smaller sizes there and says so.
+    """
+    import torch
+
+    return torch.device(device).type == "cpu" and cpu_speed().bf16_is_slow
+
+
 def describe() -> dict[str, Any]:
     """Versions and hardware, for chapter 00 and ``course doctor``."""
     import torch
@@ -144,6 +215,7 @@ def describe() -> dict[str, Any]:
         "cuda_available": torch.cuda.is_available(),
         "cpu_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
+        "cpu": cpu_speed().summary(),
     }
     try:
         import torchvision

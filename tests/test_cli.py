@@ -12,6 +12,7 @@ import nbformat
 import pytest
 import torch
 
+from course_lib import env
 from course_lib.tools import cli, runner
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,6 +34,8 @@ def test_doctor_reports_versions_and_datasets(capsys):
     assert cli.main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "torch" in out and "shapes dataset" in out and "CIFAR-10" in out
+    assert f"cpu: {torch.backends.cpu.get_cpu_capability()}, a bf16 matmul takes" in out  # and what it means
+    assert ("emulated" if env.cpu_speed().bf16_is_slow else "natively") in out
 
 
 def test_find_notebooks_by_prefix():
@@ -103,6 +106,15 @@ def test_summary_and_durations():
     # over the 3-minute budget at cpu, and said so; not at smoke, whose budget this is not
     assert lines[3].endswith("3 min 10 s    5 min 20 s  FAILED (over the 3 min 00 s budget)")
     assert "budget" not in runner.summary(runs, "smoke")
+
+
+def test_run_names_the_cpu_and_its_bf16_speed():
+    cpu = env.cpu_speed()
+    assert runner.cpu_note() == f"[course] CPU: {cpu.summary()}"
+    table = runner.summary([{"notebook": "05_x.ipynb", "seconds": 200.0, "cpu_seconds": 190.0, "error": None,
+                             "results": {}}], "cpu")
+    assert f"on a {cpu.capability} CPU (bf16 {'emulated' if cpu.bf16_is_slow else 'native'}" in table
+    assert "(over the 3 min 00 s budget)" in table  # env.BUDGET_S["cpu"]
 
 
 def test_processes_note_says_cores_and_processes(monkeypatch):

@@ -67,3 +67,59 @@ def test_progress_bars_follow_course_progress(monkeypatch):
     assert bar.disable and list(bar) == [0, 1, 2]
     monkeypatch.setenv("COURSE_PROGRESS", "1")
     assert env.show_progress() and not env.progress(range(3), "steps").disable
+
+
+def test_cpu_speed_measures_this_cpu():
+    cpu = env.cpu_speed()
+    assert cpu.capability == torch.backends.cpu.get_cpu_capability()
+    assert cpu.bf16_over_fp32 > 0
+    assert cpu.capability in cpu.summary() and "bf16" in cpu.summary()
+    assert env.bf16_is_slow("cpu") == cpu.bf16_is_slow
+    assert env.bf16_is_slow("cuda") is False  # a GPU's bf16 is never the CPU's emulation
+
+
+def test_cpu_speed_reads_its_ratio():
+    assert env.CpuSpeed("AVX2", 37.0).bf16_is_slow and "emulated" in env.CpuSpeed("AVX2", 37.0).summary()
+    fast = env.CpuSpeed("AVX512", 0.3)
+    assert not fast.bf16_is_slow and "natively" in fast.summary() and "0.30 of fp32's time" in fast.summary()
+
+
+def test_cpu_speed_finds_emulated_bf16():
+    """With oneDNN held to AVX2 (no bf16 instructions) a bf16 product is emulated on any x86 CPU: the measurement
+    must say so. On other CPUs the variables mean nothing, and the ratio is whatever they run."""
+    import platform
+    import subprocess
+    import sys
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA choose x86 kernels only")
+    code = "from course_lib import env; c = env.cpu_speed(); print(c.capability, c.bf16_over_fp32, c.bf16_is_slow)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120,
+                         env={**__import__("os").environ, "ATEN_CPU_CAPABILITY": "avx2",
+                              "ONEDNN_MAX_CPU_ISA": "AVX2"}).stdout.split()
+    assert out[0] == "AVX2" and out[2] == "True", out
+    assert float(out[1]) > 2 * env.BF16_SLOW_RATIO  # measured 20-60: far from the threshold
+
+
+def test_budgets_are_stated_once():
+    """Every 'N minutes a notebook' and 'N for the course' in the README, the notebooks and the library is
+    env.BUDGET_S's figure for cpu (the budgets were once said three ways, 3, 5 and 30 minutes)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    one, whole = (int(s / 60) for s in env.BUDGET_S["cpu"])
+    files = [root / "README.md", *sorted((root / "notebooks").glob("*.ipynb")),
+             *sorted((root / "course_lib").rglob("*.py")), *sorted((root / "benchmarks").glob("*.py"))]
+    per_notebook = re.compile(r"(\d+)[ -]minutes? (?:per|a) notebook|(\w+) minutes (?:per|a) notebook")
+    per_course = re.compile(r"(\d+) (?:minutes )?for (?:`make course`|the (?:whole )?course)(?! on one)")  # not gpu
+    words = {"three": 3, "five": 5}
+    wrong = []
+    for path in files:
+        text = path.read_text()
+        for m in per_notebook.finditer(text):
+            n = int(m[1]) if m[1] else words.get(m[2].lower())
+            if n is not None and n != one:
+                wrong.append(f"{path.name}: {m[0]!r}")
+        wrong += [f"{path.name}: {m[0]!r}" for m in per_course.finditer(text) if int(m[1]) != whole]
+    assert not wrong, f"budgets other than env.BUDGET_S's {one} and {whole} minutes: {wrong}"

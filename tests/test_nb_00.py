@@ -1,3 +1,4 @@
+import torch
 from conftest import notebook_claims
 
 
@@ -9,3 +10,5 @@ def test_start_here_claims():
     assert c["ch00/other_seed_differs"] is True
     assert c["ch00/min_class_share"] > 0.07  # ten balanced classes: 0.1 each, give or take sampling noise
     assert c["ch00/train_images_per_s"] > 0
+    assert c["ch00/cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert c["ch00/cpu_bf16_over_fp32"] > 0

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from course_lib import parallel_runs
+from course_lib import env, parallel_runs
 from course_lib.env import check_profile
 from course_lib.tools import report
 
@@ -31,12 +31,11 @@ KERNEL_MANAGER_CONFIG = {"KernelManager": {"transport_encryption": "auto"}}
 # Kernels of these profiles run one intra-op thread unless OMP_NUM_THREADS is set. On a shared or busy machine
 # two threads wait on each other at every operation: on a loaded 2-core machine the smoke models ran 5-100x
 # slower, and chapter 03's `cpu` training cell took 5 min 14 s with two threads against 12 s with one. The `cpu`
-# sizes are chosen to fit 5 minutes a notebook on one core, so one thread keeps that promise on any machine.
+# sizes are chosen to fit 3 minutes a notebook on one core (env.BUDGET_S), so one thread keeps that promise on any
+# machine.
 ONE_THREAD_PROFILES = ("smoke", "cpu")
 # Without a terminal (CI logs, `make course | tee`), a progress line at most this often, in seconds.
 LOG_EVERY_S = 30.0
-# What one notebook may take at `cpu` on two idle cores (the README's budget; `course run` marks notebooks over it).
-CPU_BUDGET_S = 180.0
 
 
 def duration(seconds: float) -> str:
@@ -135,7 +134,7 @@ def find_notebooks(names: list[str] | None = None) -> list[Path]:
 
 
 # Seconds one cell may run before the run is stopped (papermill's execution_timeout): enough for the
-# longest experiment cell on a slow or shared machine (a notebook at `cpu` is sized for 5 minutes on two idle
+# longest experiment cell on a slow or shared machine (a notebook at `cpu` is sized for 3 minutes on two idle
 # cores, but a loaded machine ran cells 10-20x slower, chapter 02's longest for 28 minutes), short enough that
 # a hung cell ends the run.
 CELL_TIMEOUT = {"smoke": 900, "cpu": 3 * 3600, "gpu": 3600}
@@ -255,10 +254,16 @@ def processes_note(profile: str) -> str:
             f"own, and chapters 06-12 start one process per rank (set {parallel_runs.PROCESSES_ENV} to change {n})")
 
 
+def cpu_note() -> str:
+    """This CPU's vector capability and measured bf16 speed, and what that means for the notebooks, in one line."""
+    return f"[course] CPU: {env.cpu_speed().summary()}"
+
+
 def run(names: list[str] | None, profile: str, out: Path, cell_timeout: int | None = None) -> list[dict]:
     """Execute the chosen notebooks in order and write the report; return one summary per notebook."""
     notebooks = find_notebooks(names)
     print(processes_note(profile), flush=True)
+    print(cpu_note(), flush=True)
     note = busy_note()
     if note:
         print(note, flush=True)
@@ -279,20 +284,25 @@ def run(names: list[str] | None, profile: str, out: Path, cell_timeout: int | No
 def summary(runs: list[dict], profile: str) -> str:
     """The closing table of ``course run``: each notebook's wall and CPU time, status, and the totals.
 
-    At ``cpu`` a notebook over the 3-minute budget is marked (the budget is for two idle cores: on a busy
-    machine compare the CPU time, which the load barely changes).
+    A notebook over its budget (``env.BUDGET_S``) is marked (the budget is for two idle cores: on a busy
+    machine compare the CPU time, which the load barely changes). The first line names the CPU's capability
+    and its bf16 speed: the same notebook takes longer, and runs some bf16 cells smaller, where bf16 is emulated.
     """
     width = max((len(Path(r["notebook"]).stem) for r in runs), default=10)
     total = sum(r["seconds"] for r in runs)
     cpu_total = sum(r.get("cpu_seconds", 0.0) for r in runs)
     failed = sum(bool(r["error"]) for r in runs)
+    one = env.BUDGET_S.get(profile, (float("inf"),))[0]
+    cpu = env.cpu_speed()
     lines = [f"[course] {len(runs)} notebook(s) at profile {profile} in {duration(total)}"
              + (f" ({duration(cpu_total)} of CPU time)" if cpu_total else "")
+             + f" on a {cpu.capability} CPU (bf16 {'emulated' if cpu.bf16_is_slow else 'native'}, "
+               f"{cpu.bf16_over_fp32:.2g}x fp32's matmul time)"
              + (f", {failed} FAILED" if failed else ", all ok") + ":",
              f"[course]   {'notebook':<{width}}  {'time':>12}  {'CPU time':>12}  status"]
     for r in runs:
-        over = profile == "cpu" and r["seconds"] > CPU_BUDGET_S
+        over = r["seconds"] > one
         lines.append(f"[course]   {Path(r['notebook']).stem:<{width}}  {duration(r['seconds']):>12}  "
                      f"{duration(r.get('cpu_seconds', 0.0)):>12}  {'FAILED' if r['error'] else 'ok'}"
-                     + (f" (over the {duration(CPU_BUDGET_S)} budget)" if over else ""))
+                     + (f" (over the {duration(one)} budget)" if over else ""))
     return "\n".join(lines)
