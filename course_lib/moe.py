@@ -25,6 +25,7 @@ It equals 1 when both are uniform.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -54,6 +55,16 @@ def no_drop_factor(n_experts: int, k: int) -> float:
     return n_experts / k
 
 
+def expert_counts(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Choices per expert among ``ids`` (``torch.bincount``'s numbers, on ``ids``' device).
+
+    ``bincount`` sizes its output by the largest id, so on a GPU it waits for the
+    device to read it; a scatter into ``n_experts`` zeros does not (an id out of
+    range stops it with a device-side assert instead).
+    """
+    return torch.zeros(n_experts, dtype=torch.long, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
+
+
 def dispatch_indices(expert: torch.Tensor, n_experts: int,
                      capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Queue the choices ``expert`` (``(T, k)`` expert ids) at their experts: ``(order, position, kept)``.
@@ -65,20 +76,22 @@ def dispatch_indices(expert: torch.Tensor, n_experts: int,
     ``position[a] < capacity``.
     """
     flat = expert.t().reshape(-1)
-    if flat.numel() and not (0 <= int(flat.min()) and int(flat.max()) < n_experts):
+    # the ids are checked where reading them is free; on a GPU the check would wait for the device at every
+    # call, and expert_counts' scatter stops on a bad id there
+    if flat.device.type == "cpu" and flat.numel() and not (0 <= int(flat.min()) and int(flat.max()) < n_experts):
         raise ValueError(f"expert ids must lie in [0, {n_experts}), got {flat.min().item()}..{flat.max().item()}")
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=n_experts)
+    counts = expert_counts(flat, n_experts)
     starts = torch.cumsum(counts, 0) - counts  # where each expert's queue begins in ``order``
     position = torch.empty_like(flat)
-    position[order] = torch.arange(flat.numel()) - starts[flat[order]]
+    position[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
     return order, position, position < capacity
 
 
 def load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor) -> torch.Tensor:
     """Switch eq. 4 without its weight alpha: ``E * sum_i f_i * P_i`` (1 when tokens and probabilities are even)."""
     n_experts = probs.shape[-1]
-    f = torch.bincount(first_choice, minlength=n_experts).to(probs.dtype) / first_choice.numel()  # no gradient
+    f = expert_counts(first_choice, n_experts).to(probs.dtype) / first_choice.numel()  # no gradient
     p = probs.mean(0)  # the gradient flows through P_i only
     return n_experts * (f * p).sum()
 
@@ -101,7 +114,7 @@ class Routing:
 
     def tokens_per_expert(self) -> torch.Tensor:
         """Choices each expert received, before the capacity cut."""
-        return torch.bincount(self.expert.t().reshape(-1), minlength=self.probs.shape[1])
+        return expert_counts(self.expert.t().reshape(-1), self.probs.shape[1])
 
     def drop_rate(self) -> float:
         """Fraction of the choices dropped at the capacity."""
@@ -158,14 +171,35 @@ class MoEMLP(nn.Module):
         return combine(tokens, r, list(self.experts), range(self.n_experts)).reshape(x.shape)
 
 
+def queue_lengths(r: Routing) -> list[int]:
+    """Host integers: the choices each expert received (its queue, before the capacity cut).
+
+    The one wait for the device in a forward of the layer, on purpose: the
+    experts' batch sizes must be known on the host to cut ``order`` into their
+    batches (a GPU's kernels are launched with their shapes). It costs the time
+    the work queued before it takes to finish, as ``.tolist()`` does anywhere.
+    """
+    return r.tokens_per_expert().tolist()
+
+
+def expert_batches(r: Routing, lengths: Sequence[int]) -> list[torch.Tensor]:
+    """Each expert's kept choices, in queue order: its slice of ``order``, cut at the capacity.
+
+    ``order`` holds expert 0's queue, then expert 1's, ...; ``lengths``
+    (``queue_lengths``) says where each one begins.
+    """
+    starts = itertools.accumulate(lengths, initial=0)
+    return [r.order[s:s + min(n, r.capacity)] for s, n in zip(starts, lengths)]
+
+
 def combine(tokens: torch.Tensor, r: Routing, experts: Sequence[nn.Module], ids: Sequence[int]) -> torch.Tensor:
     """Run experts ``ids`` (modules ``experts``) on their kept tokens; sum the gated outputs per token."""
     n = r.n_tokens
     out = torch.zeros_like(tokens)
     gate = r.gate.t().reshape(-1)  # slot-major, like the choices
-    chosen = r.expert.t().reshape(-1)
+    batches = expert_batches(r, queue_lengths(r))
     for module, e in zip(experts, ids):
-        a = r.order[(chosen[r.order] == e) & r.kept[r.order]]  # expert e's kept choices, in queue order
+        a = batches[e]  # expert e's kept choices, in queue order
         if a.numel():
             out = out.index_add(0, a % n, module(tokens[a % n]) * gate[a, None])
     return out
@@ -175,10 +209,11 @@ def combine(tokens: torch.Tensor, r: Routing, experts: Sequence[nn.Module], ids:
 
 def teacher_task(seed: int, n_tokens: int, d_model: int, n_clusters: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens from ``n_clusters`` Gaussian clusters and the targets of a random teacher MLP (same seed, same data)."""
-    g = torch.Generator().manual_seed(seed)
-    centres = 2.0 * torch.randn(n_clusters, d_model, generator=g)
-    x = centres[torch.randint(n_clusters, (n_tokens,), generator=g)] + torch.randn(n_tokens, d_model, generator=g)
-    w1, w2 = torch.randn(d_model, 4 * d_model, generator=g), torch.randn(4 * d_model, d_model, generator=g)
+    g = torch.Generator().manual_seed(seed)  # on the CPU: the same data on every machine, moved by the caller
+    centres = 2.0 * torch.randn(n_clusters, d_model, generator=g)  # host
+    cluster = torch.randint(n_clusters, (n_tokens,), generator=g)  # host
+    x = centres[cluster] + torch.randn(n_tokens, d_model, generator=g)  # host
+    w1, w2 = torch.randn(d_model, 4 * d_model, generator=g), torch.randn(4 * d_model, d_model, generator=g)  # host
     y = torch.tanh(x @ w1 / math.sqrt(d_model)) @ w2 / math.sqrt(4 * d_model)
     return x, y
 
