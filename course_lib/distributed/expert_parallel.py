@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib.distributed.comm import ByteCounter, all_to_all
-from course_lib.moe import MoEMLP, Routing, route
+from course_lib.moe import MoEMLP, Routing, expert_batches, queue_lengths, route
 
 
 def experts_per_rank(n_experts: int, ep: int) -> int:
@@ -108,19 +108,23 @@ class ExpertParallelMoE(nn.Module):
         n = tokens.shape[0]
         r = route(self.router(tokens), self.k, self.capacity_factor)
         self.routing = r
-        chosen, gate = r.expert.t().reshape(-1), r.gate.t().reshape(-1)
-        a = r.order[r.kept[r.order]]  # kept choices sorted by expert, so by destination rank
-        counts = torch.bincount(chosen[a], minlength=self.n_experts)
-        recv_counts = exchange_counts(counts, self.ep, self.counter, self.group)
-        # the splits are host integers: on a GPU this waits for the counts, one reason why implementations with
-        # fixed shapes pad every expert's slot to the capacity instead (dispatch_buffer_bytes)
-        send_splits = counts.view(self.ep, self.per).sum(1).tolist()
-        recv_splits = recv_counts.sum(1).tolist()
+        gate = r.gate.t().reshape(-1)
+        # the splits are host integers, read twice per layer on purpose: this rank's queues (one wait for the
+        # device) and, after the counts' all-to-all, what the others send. Implementations with fixed shapes pad
+        # every expert's slot to the capacity instead and read nothing (dispatch_buffer_bytes)
+        lengths = queue_lengths(r)
+        kept = [min(q, r.capacity) for q in lengths]  # rows this rank sends each expert
+        a = torch.cat(expert_batches(r, lengths))  # kept choices sorted by expert, so by destination rank
+        recv_counts = exchange_counts(torch.tensor(kept, device=tokens.device), self.ep, self.counter, self.group)
+        recv = recv_counts.tolist()  # (ep, E/e): rows from each rank for each local expert
+        send_splits = [sum(kept[q * self.per:(q + 1) * self.per]) for q in range(self.ep)]
+        recv_splits = [sum(row) for row in recv]
         arrived = self._send(tokens[a % n], recv_splits, send_splits)  # rows by source rank, then local expert
         # regroup by local expert: a stable sort keeps each expert's rows in source-rank order
-        local = torch.arange(self.per).repeat(self.ep).repeat_interleave(recv_counts.reshape(-1))
+        local = torch.arange(self.per, device=tokens.device).repeat(self.ep).repeat_interleave(
+            recv_counts.reshape(-1), output_size=sum(recv_splits))
         perm = torch.argsort(local, stable=True)
-        per_expert = recv_counts.sum(0).tolist()
+        per_expert = [sum(col) for col in zip(*recv)]
         outs = [m(rows) for m, rows in zip(self.experts, arrived[perm].split(per_expert))]
         done = torch.cat(outs)
         home = self._send(done[torch.argsort(perm)], send_splits, recv_splits)  # rows back in send order
