@@ -24,18 +24,28 @@ same work on every rank (Brandon et al. 2023, "Striped Attention"; torch's
 Bytes each rank sends per layer, elements of ``b (T/c) h`` each: the forward
 sends K and V ``c - 1`` times; the backward sends K, V ``c - 1`` times and
 dK, dV ``c`` times: ``2(c-1)/c`` and ``(4c-2)/c`` times ``T b h`` elements.
+
+Precision: under bf16 (or fp16) each block is computed in float32 (scores,
+products, the log-sum-exp ``L``), and the merged output and the gradient sums
+(``dQ``, and the ``dK, dV`` that travel) stay in float32, as FlashAttention
+keeps its statistics and accumulators; outputs and gradients leave in the input
+dtype. An ``L`` rounded to bf16's 8 bits weighs a block wrong by up to
+``exp(2^-9 |L|)``, and a sum rounded at every hop loses bits at each. The cost:
+float32 products, and dK, dV travel as 4 bytes an element instead of 2.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib.distributed.comm import ByteCounter, Message, exchange, nbytes
+from course_lib.distributed.comm import ByteCounter, Exchange, Message, exchange, nbytes
 
 LAYOUTS = ("plain", "zigzag")
 
@@ -55,16 +65,21 @@ def check_layout(T: int, c: int, layout: str = "zigzag") -> None:
                          f"chunks of T/(2c) positions; pad the sequence to a multiple of {2 * c} or choose another c")
 
 
-def positions(T: int, c: int, rank: int, layout: str = "zigzag") -> torch.Tensor:
-    """The global positions rank ``rank`` holds, in order: ``T/c`` contiguous ones (``plain``), or chunks
-    ``rank`` and ``2c-1-rank`` of ``T/(2c)`` each (``zigzag``)."""
+def position_list(T: int, c: int, rank: int, layout: str = "zigzag") -> list[int]:
+    """The global positions rank ``rank`` holds, in order, as host integers: ``T/c`` contiguous ones (``plain``),
+    or chunks ``rank`` and ``2c-1-rank`` of ``T/(2c)`` each (``zigzag``)."""
     check_layout(T, c, layout)
     if not 0 <= rank < c:
         raise ValueError(f"rank {rank} is not in 0..{c - 1}")
     n, m = T // c, T // (2 * c)
     if layout == "plain":
-        return torch.arange(rank * n, (rank + 1) * n)
-    return torch.cat([torch.arange(rank * m, (rank + 1) * m), torch.arange((2 * c - 1 - rank) * m, (2 * c - rank) * m)])
+        return list(range(rank * n, (rank + 1) * n))
+    return [*range(rank * m, (rank + 1) * m), *range((2 * c - 1 - rank) * m, (2 * c - rank) * m)]
+
+
+def positions(T: int, c: int, rank: int, layout: str = "zigzag") -> torch.Tensor:
+    """``position_list`` as a tensor on the host (an index: callers move it where they index)."""
+    return torch.tensor(position_list(T, c, rank, layout))  # host
 
 
 def shard(x: torch.Tensor, c: int, rank: int, layout: str = "zigzag", dim: int = 1) -> torch.Tensor:
@@ -114,6 +129,54 @@ def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
     return k_pos[None, :] <= q_pos[:, None]  # (queries, keys): causal, by global position
 
 
+@dataclass(frozen=True)
+class CausalBlock:
+    """One query block's causal mask against one key block: ``visible`` on the device, ``pairs`` on the host.
+
+    Built from the positions on the host, once (a ring keeps one per hop for
+    every layer and step): counting a mask's pairs on a GPU, or asking whether
+    it has any, would make the host wait for the device at every hop.
+    """
+
+    visible: torch.Tensor  # (queries, keys) bool
+    pairs: int             # visible query-key pairs, the block's work; 0: the block is skipped
+
+    @classmethod
+    def of(cls, q_pos: Sequence[int] | torch.Tensor, k_pos: Sequence[int] | torch.Tensor,
+           device: torch.device | str) -> "CausalBlock":
+        """The block of queries at ``q_pos`` and keys at ``k_pos``; the pairs counted in Python, the mask made on
+        ``device`` from the positions (a copy of two index lists, no wait for the device)."""
+        # tensors are read on the host: positions live there (``positions``); a ring passes lists
+        qs, ks = (pos.tolist() if torch.is_tensor(pos) else [int(p) for p in pos] for pos in (q_pos, k_pos))
+        ordered = sorted(ks)
+        pairs = sum(bisect.bisect_right(ordered, q) for q in qs)  # keys at or before each query
+        return cls(_visible(torch.tensor(qs, device=device), torch.tensor(ks, device=device)), pairs)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the scores, ``L`` and the sums: at least float32 (FlashAttention's under bf16), float64 stays."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: CausalBlock
+           ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``block_attention`` with the mask built already; ``o`` and ``L`` in the accumulation dtype.
+
+    A bf16 block is computed in float32, its products too: scores rounded to bf16
+    would be off by up to ``2^-9 |s|`` before the exponential. The cost: float32
+    matrix products (slower than bf16's on a GPU) and float32 copies of the block.
+    """
+    acc = accumulation_dtype(q.dtype)
+    if block.pairs == 0:
+        return (torch.zeros(q.shape, dtype=acc, device=q.device),
+                torch.full((*q.shape[:-1], 1), -math.inf, dtype=acc, device=q.device), 0)
+    q, k, v = (t.to(acc) for t in (q, k, v))
+    s = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(~block.visible, -math.inf)
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    return torch.exp(s - _finite(lse)) @ v, lse, block.pairs
+
+
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Causal attention of queries (``.., n_q, d``) at ``q_pos`` over keys at ``k_pos``: ``(o, L, pairs)``.
@@ -122,14 +185,21 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: to
     where no key is visible), ``pairs`` the visible query-key pairs (the work).
     A block no query can see is skipped, as tiled kernels skip masked tiles.
     """
-    vis = _visible(q_pos, k_pos).to(q.device)
-    pairs = int(vis.sum())
-    if pairs == 0:
-        return torch.zeros_like(q), torch.full((*q.shape[:-1], 1), -math.inf, dtype=q.dtype, device=q.device), 0
-    s = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
-    s = s.masked_fill(~vis, -math.inf)
-    lse = torch.logsumexp(s, dim=-1, keepdim=True)
-    return torch.exp(s - _finite(lse)) @ v, lse, pairs
+    return attend(q, k, v, CausalBlock.of(q_pos, k_pos, q.device))
+
+
+def attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
+                    delta: torch.Tensor, block: CausalBlock) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``block_attention_backward`` with the mask built already; the terms in the accumulation dtype."""
+    acc = accumulation_dtype(q.dtype)
+    if block.pairs == 0:
+        return tuple(torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
+    q, k, v, do = (t.to(acc) for t in (q, k, v, do))
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    s = ((q @ k.transpose(-2, -1)) * scale).masked_fill(~block.visible, -math.inf)
+    p = torch.exp(s - _finite(lse))
+    ds = p * (do @ v.transpose(-2, -1) - delta)
+    return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, p.transpose(-2, -1) @ do
 
 
 def block_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
@@ -140,14 +210,7 @@ def block_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     With ``P = exp(S - L)`` the block's share of the full softmax:
     ``dV = P^T dO``, ``dS = P * (dO V^T - delta)``, ``dQ = dS K / sqrt(d)``, ``dK = dS^T Q / sqrt(d)``.
     """
-    vis = _visible(q_pos, k_pos).to(q.device)
-    if not vis.any():
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    s = ((q @ k.transpose(-2, -1)) * scale).masked_fill(~vis, -math.inf)
-    p = torch.exp(s - _finite(lse))
-    ds = p * (do @ v.transpose(-2, -1) - delta)
-    return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, p.transpose(-2, -1) @ do
+    return attend_backward(q, k, v, do, lse, delta, CausalBlock.of(q_pos, k_pos, q.device))
 
 
 @dataclass
@@ -157,7 +220,8 @@ class Ring:
     ``counter`` counts the bytes this rank sends (``ring_kv`` forward,
     ``ring_kv_grad`` backward); ``pairs`` collects the query-key pairs each
     forward computed (the causal work). ``Ring.of(T)`` joins the default group;
-    ``Ring(T, world=1)`` is one process, for references.
+    ``Ring(T, world=1)`` is one process, for references. The ring keeps each
+    hop's ``CausalBlock`` once built: ``c`` masks of ``(T/c)^2`` bytes on the device.
     """
 
     T: int
@@ -167,6 +231,7 @@ class Ring:
     group: dist.ProcessGroup | None = None
     counter: ByteCounter = field(default_factory=ByteCounter)
     pairs: list[int] = field(default_factory=list)
+    _blocks: dict[tuple[int, torch.device], CausalBlock] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_layout(self.T, self.world, self.layout)
@@ -178,16 +243,29 @@ class Ring:
     def positions(self, rank: int | None = None) -> torch.Tensor:
         return positions(self.T, self.world, (self.rank if rank is None else rank) % self.world, self.layout)
 
+    def position_list(self, rank: int | None = None) -> list[int]:
+        return position_list(self.T, self.world, (self.rank if rank is None else rank) % self.world, self.layout)
+
+    def block(self, source: int, device: torch.device) -> CausalBlock:
+        """This rank's queries against the keys of rank ``source``, on ``device``: built on the first hop only."""
+        key = (source % self.world, torch.device(device))
+        if key not in self._blocks:
+            self._blocks[key] = CausalBlock.of(self.position_list(), self.position_list(source), device)
+        return self._blocks[key]
+
     def _peer(self, r: int) -> int:
         r %= self.world
         return r if self.group is None else dist.get_global_rank(self.group, r)
 
-    def pass_on(self, t: torch.Tensor, op: str):
-        """Post: send ``t`` to the right neighbour, receive the left's; return (the exchange, the buffer)."""
-        buf = torch.empty_like(t)
-        self.counter.add(op, nbytes(t))
-        return exchange([Message(t, self._peer(self.rank + 1))], [Message(buf, self._peer(self.rank - 1))],
-                        self.group), buf
+    def pass_on(self, tensors: list[torch.Tensor], op: str) -> tuple[Exchange, list[torch.Tensor]]:
+        """Post: send ``tensors`` to the right neighbour, receive the left's; return (the exchange, the buffers).
+
+        One hop, counted once (all its bytes), however many tensors it carries.
+        """
+        bufs = [torch.empty_like(t) for t in tensors]
+        self.counter.add(op, sum(nbytes(t) for t in tensors))
+        right, left = self._peer(self.rank + 1), self._peer(self.rank - 1)
+        return exchange([Message(t, right) for t in tensors], [Message(b, left) for b in bufs], self.group), bufs
 
 
 class _RingAttention(torch.autograd.Function):
@@ -195,22 +273,22 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:
-        my_pos = ring.positions()
         kv = torch.stack([k, v])  # one message per hop
         o = lse = None
         pairs = 0
         for step in range(ring.world):
             pending = None
             if step < ring.world - 1:  # post the next block's transfer first: it travels while this one computes
-                pending, incoming = ring.pass_on(kv, "ring_kv")
-            ob, lb, n = block_attention(q, kv[0], kv[1], my_pos, ring.positions(ring.rank - step))
+                pending, (incoming,) = ring.pass_on([kv], "ring_kv")
+            ob, lb, n = attend(q, kv[0], kv[1], ring.block(ring.rank - step, q.device))
             pairs += n
-            o, lse = (ob, lb) if o is None else merge(o, lse, ob, lb)
+            o, lse = (ob, lb) if o is None else merge(o, lse, ob, lb)  # in the accumulation dtype
             if pending is not None:
                 pending.wait()
                 kv = incoming
         ring.pairs.append(pairs)
         ctx.ring = ring
+        o = o.to(q.dtype)
         ctx.save_for_backward(q, k, v, o, lse)  # all T/c long: no (T, T) matrix is kept
         return o
 
@@ -218,25 +296,24 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, do: torch.Tensor):
         q, k, v, o, lse = ctx.saved_tensors
         ring: Ring = ctx.ring
-        my_pos = ring.positions()
-        delta = (do * o).sum(dim=-1, keepdim=True)
-        dq = torch.zeros_like(q)
-        travel = torch.stack([k, v, torch.zeros_like(k), torch.zeros_like(v)])  # K, V and their gradient sums
+        acc = accumulation_dtype(q.dtype)
+        delta = (do.to(acc) * o.to(acc)).sum(dim=-1, keepdim=True)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        kv = torch.stack([k, v])
+        grads = torch.zeros((2, *k.shape), dtype=acc, device=k.device)  # the dK, dV sums that travel with K, V
         for step in range(ring.world):
-            dqb, dkb, dvb = block_attention_backward(q, travel[0], travel[1], do, lse, delta, my_pos,
-                                                     ring.positions(ring.rank - step))
+            dqb, dkb, dvb = attend_backward(q, kv[0], kv[1], do, lse, delta, ring.block(ring.rank - step, q.device))
             dq += dqb
-            travel[2] += dkb
-            travel[3] += dvb
+            grads[0] += dkb
+            grads[1] += dvb
             if step < ring.world - 1:
-                pending, travel = ring.pass_on(travel, "ring_kv_grad")
+                pending, (kv, grads) = ring.pass_on([kv, grads], "ring_kv_grad")
                 pending.wait()
-        if ring.world == 1:
-            return dq, travel[2], travel[3], None
-        # after c - 1 hops this rank holds the right neighbour's dK, dV: one more hop takes them home
-        pending, home = ring.pass_on(travel[2:].contiguous(), "ring_kv_grad")
-        pending.wait()
-        return dq, home[0], home[1], None
+        if ring.world > 1:
+            # after c - 1 hops this rank holds the right neighbour's dK, dV: one more hop takes them home
+            pending, (grads,) = ring.pass_on([grads], "ring_kv_grad")
+            pending.wait()
+        return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:
@@ -271,10 +348,14 @@ def model_forward(model: nn.Module, idx: torch.Tensor, ring: Ring) -> torch.Tens
     return model.head(x)
 
 
-def ring_bytes_per_layer(T: int, b: int, h: int, c: int, act_bytes: int = 4) -> dict[str, float]:
+def ring_bytes_per_layer(T: int, b: int, h: int, c: int, act_bytes: int = 4,
+                         grad_bytes: int | None = None) -> dict[str, float]:
     """Bytes one rank sends per attention layer: K, V ``c - 1`` hops forward; K, V ``c - 1`` and dK, dV ``c`` hops
-    backward; each hop a ``(b, T/c, h)`` tensor per matrix."""
-    block = T / c * b * h * act_bytes
+    backward; each hop a ``(b, T/c, h)`` tensor per matrix. ``grad_bytes``: dK, dV's element, by default the
+    accumulation dtype's (at least 4: they travel in float32 under bf16)."""
+    grad_bytes = max(act_bytes, 4) if grad_bytes is None else grad_bytes
+    block = T / c * b * h
     if c == 1:
         return {"forward": 0.0, "backward": 0.0}
-    return {"forward": 2 * (c - 1) * block, "backward": (2 * (c - 1) + 2 * c) * block}
+    return {"forward": 2 * (c - 1) * block * act_bytes,
+            "backward": (2 * (c - 1) * act_bytes + 2 * c * grad_bytes) * block}
