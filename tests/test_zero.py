@@ -267,3 +267,29 @@ def test_stage1_refuses_gradients_changed_after_the_backward(one_rank_group) -> 
     with pytest.raises(RuntimeError, match="after step"):
         opt.zero_grad()
     opt.zero_grad()  # said once; the next step starts clean
+
+
+@pytest.mark.parametrize("main_backend", ["gloo", "cpu:gloo,cuda:nccl", "nccl"])
+def test_flags_travel_on_the_host_through_gloo(one_rank_group, monkeypatch, main_backend: str) -> None:
+    # an NCCL main group gets a gloo side group for the flags (read on the host at once: summed on the GPU, reading
+    # them would wait for the device inside the backward); a group with gloo in it keeps them, as before
+    real_backend, real_all_reduce = dist.get_backend, dist.all_reduce
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: main_backend if group is None else real_backend(group))
+    flags = []
+
+    def spy(t, *args, group=None, **kw):
+        if t.dtype == torch.int32:
+            flags.append((t.device.type, group))
+        return real_all_reduce(t, *args, group=group, **kw)
+    monkeypatch.setattr(dist, "all_reduce", spy)
+    model = _WithSpare()
+    opt = ZeroOptimizer(model, torch.optim.Adam, 2, lr=1e-2)
+    side = opt._flag_group
+    assert (side is not None) == (main_backend == "nccl")
+    if side is not None:
+        assert real_backend(side) == "gloo"
+    opt.zero_grad()
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    opt.step()
+    assert len(flags) == opt.control_calls == 3  # the backward's start and end, and step()'s join
+    assert flags == [("cpu", side)] * 3

@@ -107,6 +107,21 @@ def bucket_sizes(params: list[torch.Tensor], bucket_cap_mb: float = DEFAULT_BUCK
     return [sum(nbytes[i] for i in b) for b in assign_buckets(nbytes, bucket_cap_mb * MiB)]
 
 
+def flag_group() -> dist.ProcessGroup | None:
+    """The group ``ZeroOptimizer``'s flags travel on, as CPU tensors: the default one where it has gloo (gloo, or
+    launch's ``cpu:gloo,cuda:nccl``), else a gloo group of the same ranks, made for them (collectively: every rank
+    builds its optimizer together, as the broadcast of the weights needs anyway).
+
+    The flags are read on the host as soon as they are summed. Summed on an NCCL
+    group, on the GPU, reading them would make the host wait for everything the
+    device has queued: in the first gradient hook, in the middle of the backward,
+    and again at its end. Through gloo it costs a round trip between the hosts.
+    """
+    if "gloo" in str(dist.get_backend()).lower():
+        return None
+    return dist.new_group(backend="gloo")
+
+
 @dataclass(eq=False)
 class _Bucket:
     """Parameters ``params`` (indices) at ``offsets`` inside a region of N x ``slots`` elements of the flat buffer."""
@@ -218,9 +233,7 @@ class ZeroOptimizer:
         self.flat_grads: torch.Tensor | None = None  # stage 1's full gradient buffer
         self.counter = comm.ByteCounter()
         self.control_calls = 0        # the small all-reduces of flags that keep the ranks in step (uncounted bytes)
-        # flags travel on the CPU where the group has gloo for it (no device sync inside the backward)
-        self._flag_device = (torch.device("cpu") if "gloo" in str(dist.get_backend()).lower()
-                             else self.flat_params.device)
+        self._flag_group = flag_group()
         self._next = 0                # stage 2: the next bucket to reduce (in order: every rank the same)
         self._in_backward = False
         self._arrived = [False] * len(self.params)  # stage 2: done in this backward (arrived, or unused)
@@ -334,10 +347,10 @@ class ZeroOptimizer:
 
     def _agree(self, flags: list[int], at: int | None = None) -> list[int]:
         """Sum small integer flags over the ranks (blocking; ``at``: set flag ``at`` to 1 on this rank)."""
-        t = torch.tensor(flags, dtype=torch.int32, device=self._flag_device)
+        t = torch.tensor(flags, dtype=torch.int32)  # host: read back at once, see flag_group
         if at is not None:
             t[at] = 1
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self._flag_group)
         self.control_calls += 1
         return t.tolist()
 
