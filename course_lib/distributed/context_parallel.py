@@ -48,6 +48,7 @@ from torch import nn
 from course_lib.distributed.comm import ByteCounter, Exchange, Message, exchange, nbytes
 
 LAYOUTS = ("plain", "zigzag")
+Positions = Sequence[int] | torch.Tensor  # global positions: host integers, or a tensor of them on the host
 
 
 def check_layout(T: int, c: int, layout: str = "zigzag") -> None:
@@ -142,8 +143,7 @@ class CausalBlock:
     pairs: int             # visible query-key pairs, the block's work; 0: the block is skipped
 
     @classmethod
-    def of(cls, q_pos: Sequence[int] | torch.Tensor, k_pos: Sequence[int] | torch.Tensor,
-           device: torch.device | str) -> "CausalBlock":
+    def of(cls, q_pos: Positions, k_pos: Positions, device: torch.device | str) -> "CausalBlock":
         """The block of queries at ``q_pos`` and keys at ``k_pos``; the pairs counted in Python, the mask made on
         ``device`` from the positions (a copy of two index lists, no wait for the device)."""
         # tensors are read on the host: positions live there (``positions``); a ring passes lists
@@ -177,7 +177,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: CausalBlock
     return torch.exp(s - _finite(lse)) @ v, lse, block.pairs
 
 
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: Positions, k_pos: Positions
                     ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Causal attention of queries (``.., n_q, d``) at ``q_pos`` over keys at ``k_pos``: ``(o, L, pairs)``.
 
@@ -203,7 +203,7 @@ def attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch
 
 
 def block_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
-                             delta: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor
+                             delta: torch.Tensor, q_pos: Positions, k_pos: Positions
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This block's terms of ``dq, dk, dv``, given the *final* ``L`` and ``delta = rowsum(dO * O)``.
 

@@ -203,7 +203,7 @@ class ColumnParallelLinear(nn.Module):
         if regather and not sequence_parallel:
             raise ValueError("regather saves a sequence shard: it needs sequence_parallel=True")
         self.tp, self.sequence_parallel, self.regather = tp, sequence_parallel, regather
-        self.order = torch.arange(full.out_features) if order is None else order.cpu()
+        self.order = torch.arange(full.out_features) if order is None else order.cpu()  # host: an index, moved
         mine = self.order.chunk(tp.size)[tp.rank].to(full.weight.device)
         self.weight = nn.Parameter(full.weight.detach()[mine].clone())  # (out/t, in)
         self.bias = nn.Parameter(full.bias.detach()[mine].clone()) if full.bias is not None else None
@@ -249,7 +249,7 @@ def head_major_order(n_heads: int, d_model: int) -> torch.Tensor:
     """
     if d_model % n_heads:
         raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
-    return torch.arange(3 * d_model).view(3, n_heads, d_model // n_heads).transpose(0, 1).reshape(-1)
+    return torch.arange(3 * d_model).view(3, n_heads, d_model // n_heads).transpose(0, 1).reshape(-1)  # host
 
 
 class HeadMajorAttention(nn.Module):
