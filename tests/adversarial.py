@@ -10,6 +10,7 @@ notebook, files next to it, and the grader's source.
 
 from __future__ import annotations
 
+import inspect
 import json
 import textwrap
 from dataclasses import dataclass, field
@@ -524,14 +525,95 @@ class Listener:
                     pass  # connected and sent nothing in time: counted in accepted
 
 
+def solved(stem: str) -> dict[str, str]:
+    """Every solution cell of exercise ``stem`` as the instructor wrote it (grade_id -> source)."""
+    src = nbformat.read(ROOT / "solutions" / f"{stem}.ipynb", as_version=4)
+    return {c.metadata["nbgrader"]["grade_id"]: solution_source(stem, c.metadata["nbgrader"]["grade_id"])
+            for c in src.cells if c.metadata.get("nbgrader", {}).get("solution")}
+
+
 def write_solution(folder: Path, stem: str, name: str) -> Path:
     """The instructor's solution as a learner's submission (``<folder>/<name>/<stem>.ipynb``)."""
-    src = nbformat.read(ROOT / "solutions" / f"{stem}.ipynb", as_version=4)
-    cells = {c.metadata["nbgrader"]["grade_id"]: solution_source(stem, c.metadata["nbgrader"]["grade_id"])
-             for c in src.cells if c.metadata.get("nbgrader", {}).get("solution")}
-    return Attack(name, stem, honest=0, what="", cells=cells).write(folder)
+    return Attack(name, stem, honest=0, what="", cells=solved(stem)).write(folder)
 
 
 def dump(path: Path) -> str:
     """The JSON of a notebook, for comparing instructor files byte for byte."""
     return json.dumps(json.loads(path.read_text()), sort_keys=True)
+
+
+# ----- the grader's own process: the answers file it decodes -------------------------------------------
+
+# attack -> what it adds to a question's answers file, and words of the grader's refusal
+ANSWERS_ATTACKS = {
+    "unused_tensors": ("40,000 zero-size entries in the tensor table that no answer uses (decoding them took "
+                       "time quadratic in their number)", "the tensor table lists"),
+    "colliding_set": ("a set of 10,000 tuples of five multiples of 2**61 - 1 (integers below 2**63 that all hash "
+                      "to 0, and so do the tuples)", "share one hash"),
+    "colliding_keys": ("a dict whose 10,000 keys are such tuples", "share one hash"),
+    "long_integer": ("an integer of 5,000 digits", "below 2**63"),
+    "wide_tensor": ("an empty tensor of shape [0, 2**70]", "below 2**63"),
+    "vast_empty_tensor": ("an empty tensor of shape [0, 2**40, 2**40, 2**40]", "below 2**63"),
+    "many_brackets": ("5,000,000 empty lists: 15 MB of JSON that takes 500 MB once parsed", "brackets and commas"),
+}
+
+
+def hostile_answers(honest: bytes, attack: str) -> bytes:
+    """The answers file ``honest`` (of a dict, as every test's ``got`` is) with what ``attack`` adds, written by
+    hand as a kernel that replaces ``wire.dump`` can. The honest answers stay, so that only the grader's refusal
+    can cost the question. Self-contained: the kernel runs this function's source."""
+    import json
+    import struct
+
+    head = len(b"COURSE-ANSWERS-1\n") + 8
+    (n,) = struct.unpack("<Q", honest[head - 8:head])
+    doc = json.loads(honest[head:head + n])
+    value, sizes, tail = json.dumps(doc["value"]), doc["sizes"], honest[head + n:]
+    if attack == "unused_tensors":
+        sizes = sizes + [0] * 40_000
+    else:
+        shapes = {"wide_tensor": [0, 2**70], "vast_empty_tensor": [0, 2**40, 2**40, 2**40]}
+        zeros = [k * (2**61 - 1) for k in range(-4, 5)]  # every integer below 2**63 whose hash is 0
+        alike = [{"tuple": [zeros[i // 9**j % 9] for j in range(5)]} for i in range(10_000)]
+        pads = {"colliding_set": json.dumps({"set": alike}),
+                "colliding_keys": json.dumps({"dict": [[t, 0] for t in alike]}),
+                "long_integer": "9" * 5000, "many_brackets": "[" + "[]," * 5_000_000 + "[]]",
+                **{k: json.dumps({"tensor": [len(sizes), "float32", shape]}) for k, shape in shapes.items()}}
+        sizes = sizes + [0] * (attack in shapes)
+        start = '{"dict": ['
+        assert value.startswith(start), "the answers are a dict"
+        rest = value[len(start):]
+        value = f'{start}["_pad", {pads[attack]}]{", " if rest != "]}" else ""}{rest}'
+    text = f'{{"value": {value}, "sizes": {json.dumps(sizes)}}}'.encode()
+    return honest[:head - 8] + struct.pack("<Q", len(text)) + text + tail
+
+
+def answers_attack(name: str, stem: str, attacks: dict[str, str], honest: float) -> Attack:
+    """Exercise ``stem`` solved, in a kernel whose ``wire.dump`` adds to the answers of each test of ``attacks``
+    (its grade_id -> a key of ``ANSWERS_ATTACKS``) what that attack adds; ``honest``: the other tests' points."""
+    what = "; ".join(f"{q.split('_')[0]}: {ANSWERS_ATTACKS[a][0]}" for q, a in attacks.items())
+    return Attack(name, stem, honest=honest, what=f"answers files the grader must refuse quickly ({what})",
+                  cells=solved(stem), after_setup=[inspect.getsource(hostile_answers) + f'''
+import os
+from course_lib.tools.grading import wire
+
+_attacks = {attacks!r}
+
+def _hostile_dump(got, path):
+    attack = _attacks.get(os.path.basename(path).removesuffix(".answers"))
+    data = wire.dumps(got)
+    with open(path, "wb") as f:
+        f.write(hostile_answers(data, attack) if attack else data)
+
+wire.dump = _hostile_dump'''])
+
+
+# submission -> its exercise, the attack on each of its tests' answers (the rest answered honestly), their points
+ANSWERS_PLAN = {
+    "hostile_answers_07": ("07_pipeline_parallel", {"q1_one_f_one_b_test": "unused_tensors",
+                                                    "q2_bubble_fraction_test": "colliding_set",
+                                                    "q3_min_microbatches_test": "colliding_keys"}, 3),
+    "hostile_answers_08": ("08_sharded_training", {"q1_shard_bounds_test": "long_integer",
+                                                   "q2_zero1_step_test": "wide_tensor",
+                                                   "q3_bytes_sent_test": "vast_empty_tensor"}, 1)}
+ANSWERS = [answers_attack(name, stem, attacks, honest) for name, (stem, attacks, honest) in ANSWERS_PLAN.items()]

@@ -18,18 +18,22 @@ import sys
 import time
 from pathlib import Path
 
+import re
+
 import nbformat
 import psutil
 import pytest
 
 import adversarial as A
-from course_lib.tools.grading import isolation
+from course_lib.tools.grading import isolation, wire
 from course_lib.tools.grading.exercise import Catalog
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = f"course-detached-{os.getpid()}"
 PLANTED = f"planted_{os.getpid()}.py"
 STRONG = isolation.detect() in ("namespaces+uid", "uid", "namespaces")
+
+DECODE_SECONDS = 1.0  # what refusing any hostile answers file may cost (each took seconds to hours before)
 
 LEAK = A.Attack(
     "leaks_hidden_tests", "02_batch_size", honest=0,
@@ -77,7 +81,7 @@ def graded(tmp_path_factory):
     folder = base / "class"
     listener = A.Listener()
     attacks = [*A.IN_KERNEL, A.rewrite_solutions(solutions), A.COPY_CLASSMATE, A.KILLER, A.detached(TOKEN), LEAK,
-               FORGED, *A.LIMITS, A.exfiltrate(listener.port), A.plant(PLANTED, [folder])]
+               FORGED, *A.LIMITS, A.exfiltrate(listener.port), A.plant(PLANTED, [folder]), *A.ANSWERS]
     for attack in attacks:
         attack.write(folder)
     A.write_solution(folder, "02_batch_size", "zz_classmate")   # what the copier hopes to find
@@ -203,3 +207,50 @@ def test_feedback_never_quotes_a_hidden_test(graded):
         text = path.read_text()
         found = [line for line in secret if line in text]
         assert not found, f"{path.relative_to(graded['out'])} quotes hidden tests: {found[:3]}"
+
+
+# ----- the grader's own process: the answers it decodes ------------------------------------------------
+
+
+@pytest.mark.parametrize("attack", list(A.ANSWERS_ATTACKS))
+def test_a_hostile_answers_file_is_refused_quickly_in_the_graders_words(attack):
+    data = A.hostile_answers(wire.dumps({"right": [1, 2.5]}), attack)
+    start = time.perf_counter()
+    with pytest.raises(wire.WireError) as refused:
+        wire.loads(data)
+    seconds = time.perf_counter() - start
+    what, words = A.ANSWERS_ATTACKS[attack]
+    assert words in str(refused.value), f"{what}: {refused.value}"
+    assert not re.search(r"frame #|c10::|site-packages|0x[0-9a-f]{6}", str(refused.value)), refused.value
+    assert seconds < DECODE_SECONDS, f"{what}: refused after {seconds:.2f} s"
+
+
+def test_decoding_is_linear_in_the_tensors_a_file_holds():
+    import torch
+
+    many = {"t": [torch.zeros(0) for _ in range(wire.MAX_TENSORS)]}
+    start = time.perf_counter()
+    back = wire.loads(wire.dumps(many))
+    seconds = time.perf_counter() - start
+    assert len(back["t"]) == wire.MAX_TENSORS and seconds < 2, f"{wire.MAX_TENSORS} tensors took {seconds:.2f} s"
+    with pytest.raises(wire.WireError, match="at most"):
+        wire.dumps({"t": [torch.zeros(0) for _ in range(wire.MAX_TENSORS + 1)]})
+
+
+def test_a_few_values_of_one_hash_still_travel():
+    """Honest values collide too (-1 and -2 hash alike, and so do tuples of them): a few per hash decode."""
+    value = {"pairs": {(a, b) for a in (-1, -2) for b in (-1, -2)}, "keys": {-1: "a", -2: "b"}, "big": -(2**63) + 1}
+    assert wire.loads(wire.dumps(value)) == value
+    with pytest.raises(wire.WireError, match="below 2\\*\\*63"):
+        wire.dumps({"n": 2**63})
+
+
+def test_a_hostile_answers_file_costs_only_its_question(graded):
+    for name, (stem, attacks, honest) in A.ANSWERS_PLAN.items():
+        row = graded["rows"][name]
+        assert row["score"] != "", f"{name} was not graded: {row['problem']}"
+        for question, attack in attacks.items():
+            reason = row[f"{question}_reason"]
+            assert reason.startswith("error: your answers could not be read: "), f"{name} {question}: {reason}"
+            assert A.ANSWERS_ATTACKS[attack][1] in reason, f"{name} {question} ({attack}): {reason}"
+        assert float(row["score"]) == honest, f"{name}: the honest questions score, the attacked ones not: {row}"
