@@ -806,6 +806,22 @@ def test_folder_of_submissions_in_parallel_into_csv_summary_and_feedback(tiny, t
     assert not list((tmp_path / "out").glob(".*.tmp")), "every output is renamed into place"
 
 
+def test_checks_stop_at_their_time_limit_and_cost_only_their_question(tiny, monkeypatch):
+    from course_lib.tools.grading import checker
+
+    nb = nbformat.read(tiny["solution"], as_version=4)
+    test = next(c for c in nb.cells if grade_id(c) == "q1_add_one_test")
+    test.source = test.source.replace('assert got["1"] == 2', 'assert all(i >= 0 for i in range(got["1"]))')
+    ex = parse_exercise(nb, tiny["solution"])
+    monkeypatch.setattr(checker, "CHECK_TIMEOUT", 0.5)
+    start = time.monotonic()
+    verdicts = checker.Checker(ex).check({"q1_add_one_test": {"1": 10**12, "-1": 0},
+                                          "q2_double_test": {"3": 6, "0": 0}})
+    assert time.monotonic() - start < 3
+    assert verdicts["q1_add_one_test"].status == "error" and "ran past 0.5 s" in verdicts["q1_add_one_test"].message
+    assert verdicts["q2_double_test"].status == "passed"
+
+
 def test_feedback_never_quotes_a_hidden_test(tiny, tmp_path):
     from course_lib.tools.grading.classroom import Submission, feedback_markdown
     from course_lib.tools.grading.exercise import Catalog

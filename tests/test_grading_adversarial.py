@@ -245,6 +245,20 @@ def test_a_few_values_of_one_hash_still_travel():
         wire.dumps({"n": 2**63})
 
 
+def test_a_slow_decode_fails_its_question_at_the_time_limit(monkeypatch):
+    from course_lib.tools.grading import grade
+
+    def endless(data: bytes) -> None:
+        while True:
+            pass
+
+    monkeypatch.setattr(wire, "loads", endless)
+    start = time.monotonic()
+    with pytest.raises(wire.WireError, match="decoding them ran past 0.5 s"):
+        grade.decode(b"", seconds=0.5)
+    assert time.monotonic() - start < 2
+
+
 def test_a_hostile_answers_file_costs_only_its_question(graded):
     for name, (stem, attacks, honest) in A.ANSWERS_PLAN.items():
         row = graded["rows"][name]

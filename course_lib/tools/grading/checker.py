@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import io
-import signal
 import sys
-import threading
 import traceback
 from dataclasses import dataclass
 from typing import Any
 
 from course_lib.tools.grading.exercise import Exercise, GradingError, Part, Question
+from course_lib.tools.grading.limits import Overtime, time_limit
 
-CHECK_TIMEOUT = 120  # seconds for one question's checks (they compute references, on small inputs)
+CHECK_TIMEOUT: float = 120  # seconds for one question's checks (they compute references, on small inputs)
 
 
 @dataclass
@@ -43,29 +42,6 @@ def reseed_source(torch_too: bool) -> str:
     """The line that resets the random generators before an inputs section (the kernel runs the same)."""
     line = "import random as _course_random; _course_random.seed(0)"
     return line + ("; import torch as _course_torch; _course_torch.manual_seed(0)" if torch_too else "")
-
-
-class _Timeout(Exception):
-    pass
-
-
-@contextlib.contextmanager
-def _limit(seconds: int):
-    """Raise ``_Timeout`` after ``seconds`` (main thread only; elsewhere no limit)."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGALRM"):
-        yield
-        return
-
-    def stop(signum, frame):
-        raise _Timeout()
-
-    old = signal.signal(signal.SIGALRM, stop)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def _message(exc: BaseException) -> str:
@@ -93,8 +69,6 @@ class Checker:
             exec(part.checks.code(f"<{q.name} {which} checks>"), ns)
         except AssertionError as exc:
             return Verdict("failed", f"{'a hidden' if hidden else 'a'} test failed: {_message(exc)}", hidden)
-        except _Timeout:
-            raise
         except Exception as exc:  # the answers are plain data, but maybe not what the checks expect
             return Verdict("failed", f"{'a hidden' if hidden else 'a'} test could not use your answers: "
                                      f"{type(exc).__name__}: {exc}", hidden)
@@ -119,12 +93,12 @@ class Checker:
                     continue
                 got = answers[q.name]
                 try:
-                    with _limit(CHECK_TIMEOUT):
+                    with time_limit(CHECK_TIMEOUT):
                         verdict = self._run(q.visible, "visible", q, ns, got)
                         if verdict is None and self.hidden and q.hidden is not None:
                             verdict = self._run(q.hidden, "hidden", q, ns, got)
-                except _Timeout:
-                    verdict = Verdict("error", f"the checks ran past {CHECK_TIMEOUT} s on these answers")
+                except Overtime:
+                    verdict = Verdict("error", f"the checks ran past {CHECK_TIMEOUT:g} s on these answers")
                 out[q.name] = verdict or Verdict("passed")
                 sys.stdout.flush()
         return out

@@ -34,8 +34,10 @@ from course_lib.tools.grading.exercise import (
 )
 from course_lib.tools.grading.execute import CellRun, run_notebook
 from course_lib.tools.grading.isolation import Limits, Sandbox, detect, limit_reason
+from course_lib.tools.grading.limits import Overtime, time_limit
 
 STATUSES = ("passed", "failed", "error", "timeout", "rejected")
+DECODE_TIMEOUT: float = 30  # seconds to decode one question's answers (linear in their size: a 64 MiB file takes ~2)
 _CELL_LINE = re.compile(r"Cell In\[\d+\], line (\d+)")
 _MAX_MESSAGE = 400  # characters; a long traceback belongs in the notebook, not the report
 
@@ -241,10 +243,20 @@ class _Answers:
         out: dict[str, Any] = {}
         for name, raw in self.raw.items():
             try:
-                out[name] = raw if isinstance(raw, wire.WireError) else wire.loads(raw)
+                out[name] = raw if isinstance(raw, wire.WireError) else decode(raw)
             except wire.WireError as exc:
                 out[name] = exc
         return out
+
+
+def decode(raw: bytes, seconds: float | None = None) -> Any:
+    """One question's answers, decoded in at most ``seconds`` (default ``DECODE_TIMEOUT``); else ``WireError``."""
+    seconds = DECODE_TIMEOUT if seconds is None else seconds
+    try:
+        with time_limit(seconds):
+            return wire.loads(raw)
+    except Overtime:
+        raise wire.WireError(f"decoding them ran past {seconds:g} s") from None
 
 
 def grade_notebook(path: Path | str, timeout: int = 60, solutions: Path | str | None = None,

@@ -8,12 +8,20 @@ tmpfs of ``disk`` bytes in a namespace, measured after each cell otherwise
 (``isolation.Sandbox.over_limit``). A kernel that passes a limit gets an error
 (``MemoryError``, ``BlockingIOError``, ``OSError``) like any other; the grader
 says which limit it was (``limit_reason``).
+
+The grader's own work on a kernel's answers (decoding them, running the
+checks) runs in its process, under ``time_limit``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
+import time
 from dataclasses import dataclass
+from typing import Iterator
 
 from course_lib.tools.grading.exercise import GradingError
 
@@ -57,3 +65,31 @@ def limit_reason(ename: str, evalue: str, limits: Limits) -> str:
     if "File too large" in text:
         return f"wrote a file past the sandbox's {mib(limits.file)} per file"
     return ""
+
+
+class Overtime(BaseException):
+    """A ``time_limit`` ran out. Not an ``Exception``: a check's ``except Exception`` must not swallow it."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Raise ``Overtime`` in the block once ``seconds`` of wall-clock time have passed (``SIGALRM``; in the main
+    thread only, elsewhere no limit). It stops Python code; one long call into C ends first, which is why the
+    decoder bounds its own work and the class's workers have a deadline. An enclosing limit is put back after."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def stop(signum, frame):
+        raise Overtime()
+
+    old = signal.signal(signal.SIGALRM, stop)
+    outer, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        if outer:
+            signal.setitimer(signal.ITIMER_REAL, max(1e-3, outer - (time.monotonic() - start)))
