@@ -201,7 +201,8 @@ def combine(tokens: torch.Tensor, r: Routing, experts: Sequence[nn.Module], ids:
     for module, e in zip(experts, ids):
         a = batches[e]  # expert e's kept choices, in queue order
         if a.numel():
-            out = out.index_add(0, a % n, module(tokens[a % n]) * gate[a, None])
+            # in the tokens' dtype: under autocast an expert's output is bf16, and index_add takes one dtype
+            out = out.index_add(0, a % n, (module(tokens[a % n]) * gate[a, None]).to(out.dtype))
     return out
 
 

@@ -132,3 +132,15 @@ def test_auxiliary_loss_balances_the_experts(one_thread) -> None:
                                                                           balanced["imbalance"][-1])
         assert balanced["drop_rate"] < free["drop_rate"]
         assert sum(balanced["tokens_per_expert"]) == 256
+
+
+def test_moe_trains_under_bf16_autocast() -> None:
+    # the experts' bf16 outputs are summed in the tokens' dtype (index_add takes one dtype)
+    torch.manual_seed(0)
+    layer = MoEMLP(8, 16, 4, k=2)
+    x = torch.randn(32, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x)
+    assert out.dtype == torch.float32
+    (out.pow(2).mean() + layer.aux_loss).backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in layer.experts.parameters())

@@ -129,7 +129,7 @@ class ExpertParallelMoE(nn.Module):
         done = torch.cat(outs)
         home = self._send(done[torch.argsort(perm)], send_splits, recv_splits)  # rows back in send order
         self.send_splits, self.recv_splits = send_splits, recv_splits
-        out = torch.zeros_like(tokens).index_add(0, a % n, home * gate[a, None])
+        out = torch.zeros_like(tokens).index_add(0, a % n, (home * gate[a, None]).to(tokens.dtype))  # as combine
         return out.reshape(x.shape)
 
 
