@@ -134,6 +134,19 @@ def test_tp_block_on_one_rank_and_its_size_checks(one_rank_group) -> None:
         ColumnParallelLinear(torch.nn.Linear(4, 3), _TwoRanks())
 
 
+
+def test_regathering_block_trains_under_bf16_autocast(one_rank_group) -> None:
+    # the regathering linear's backward runs outside autocast: it casts the weight and the shard to the gradient's
+    # bf16 as the forward's autocast did (a float32 weight against a bf16 gradient would not multiply)
+    block = build_model(RunConfig(d_model=24, n_heads=3, seq_len=6)).blocks[0]
+    split = TPBlock(block, TPGroup(), sequence_parallel=True, regather=True)
+    x = torch.randn(2, 6, 24, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = split(x)
+    out.float().pow(2).mean().backward()
+    assert x.grad.dtype == torch.float32 and all(p.grad.dtype == torch.float32 for p in split.parameters())
+    assert all(torch.isfinite(p.grad).all() for p in split.parameters())
+
 def test_dtensor_meter_agrees_with_the_plain_one() -> None:
     block = build_model(RunConfig(d_model=32, seq_len=8)).blocks[0]
     x = torch.randn(2, 8, 32, requires_grad=True)

@@ -176,7 +176,10 @@ class _GatherLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        full = ctx.tp.all_gather(x, SEQ)  # the extra all-gather
+        # under autocast the forward's product ran in grad's dtype (bf16); the backward runs outside autocast, so
+        # it casts as autocast did (autograd casts each gradient back to its input's dtype)
+        weight = weight.to(grad.dtype)
+        full = ctx.tp.all_gather(x.to(grad.dtype), SEQ)  # the extra all-gather
         grad_x = ctx.tp.reduce_scatter(grad @ weight, SEQ)
         grad_w = grad.flatten(0, -2).T @ full.flatten(0, -2)
         grad_b = grad.flatten(0, -2).sum(0) if ctx.has_bias else None
