@@ -5,6 +5,7 @@
     course lab [JUPYTER_ARGS ...]                         JupyterLab on the course (adds --allow-root as root)
     course download cifar10                               fetch CIFAR-10 into data/
     course bench [--json]                                 speed and memory ratios (benchmarks/)
+    course gpu-check [--list] [--only CHECK ...]          the GPU code paths, briefly (needs a GPU)
     course site [--build DIR]                             static HTML of the executed course
     course assign                                         regenerate exercises/ from solutions/
     course grade NOTEBOOK|FOLDER [-j N] [--timeout S]     grade a learner's notebook (or a class)
@@ -104,6 +105,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_gpu_check(args: argparse.Namespace) -> int:
+    from course_lib.tools import gpu_check
+
+    return gpu_check.run(args)
+
+
 def _cmd_site(args: argparse.Namespace) -> int:
     from course_lib.tools import site
 
@@ -140,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--only", nargs="*", help="run only these benchmark modules")
     p.set_defaults(func=_cmd_bench)
+    p = sub.add_parser("gpu-check", help="run the course's GPU code paths briefly, with CUDA memory statistics "
+                                         "beside the predictions (needs a GPU; --list works anywhere)")
+    p.add_argument("--list", action="store_true", help="list the checks and exit (no GPU needed)")
+    p.add_argument("--only", nargs="*", metavar="CHECK", help="run only these checks")
+    p.set_defaults(func=_cmd_gpu_check)
     p = sub.add_parser("site", help="build a static HTML version of the executed course under build/site/")
     p.add_argument("--build", default="build", help="the folder `course run` wrote (default: build)")
     p.set_defaults(func=_cmd_site)
