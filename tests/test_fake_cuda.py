@@ -335,7 +335,8 @@ def _placed(call: ast.Call, parents: dict[ast.AST, ast.AST]) -> bool:
     if any(kw.arg in ("device", "pin_memory") for kw in call.keywords):
         return True
     parent = parents.get(call)
-    if isinstance(parent, ast.Attribute) and parent.attr in ("to", "cuda") and isinstance(parents.get(parent), ast.Call):
+    moved = isinstance(parent, ast.Attribute) and parent.attr in ("to", "cuda")
+    if moved and isinstance(parents.get(parent), ast.Call):
         return True
     node = call
     while node in parents:
