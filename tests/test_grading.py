@@ -806,6 +806,73 @@ def test_folder_of_submissions_in_parallel_into_csv_summary_and_feedback(tiny, t
     assert not list((tmp_path / "out").glob(".*.tmp")), "every output is renamed into place"
 
 
+def _class(tiny: dict[str, Path], folder: Path, who: dict[str, str]) -> Path:
+    """``folder/<rel>`` for each ``rel -> q1 body`` of ``who`` (q2 solved): a class of the tiny exercise."""
+    for rel, body in who.items():
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        nbformat.write(nbformat.read(_learner(tiny, "class", lambda nb: _solve(nb, q1=body)), as_version=4),
+                       folder / rel)
+    return folder
+
+
+def _rows(csv_path: Path) -> dict[str, dict]:
+    return {r["submission"]: r for r in csv.DictReader(csv_path.read_text().splitlines())}
+
+
+def test_a_worker_past_its_deadline_is_stopped_and_the_rest_graded(tiny, tmp_path):
+    folder = _class(tiny, tmp_path / "class", {"stuck/90_tiny.ipynb": "    import time\n    time.sleep(120)",
+                                                "quick/90_tiny.ipynb": "    return x + 1"})
+    start = time.monotonic()
+    subs = {s.student: s for s in classroom.grade_folder(folder, timeout=300, solutions=tiny["solutions"], jobs=2,
+                                                         deadline=8)}
+    elapsed = time.monotonic() - start
+    assert subs["quick"].result is not None and subs["quick"].result.score == 3, subs["quick"].problem
+    assert subs["stuck"].result is None and "ran past its deadline of 8 s" in subs["stuck"].problem
+    assert elapsed < 8 + 20, f"a deadline of 8 s, graded in {elapsed:.0f} s"
+    import psutil
+
+    left = [p for p in psutil.Process().children(recursive=True) if "resource_tracker" not in " ".join(p.cmdline())]
+    assert not left, f"the stopped worker left {[p.cmdline() for p in left]}"
+
+
+def test_an_interrupted_run_keeps_what_was_graded(tiny, tmp_path):
+    import signal
+
+    import psutil
+
+    marker = f"{300 + os.getpid() % 1000}.{os.getpid()}"  # the slow learner's child process: sleep <marker>
+    slow = f"    import subprocess\n    subprocess.run(['sleep', '{marker}'])"
+    folder = _class(tiny, tmp_path / "class", {"a_quick/90_tiny.ipynb": "    return x + 1",
+                                                "b_slow/90_tiny.ipynb": slow})
+    csv_path = tmp_path / "out" / "grades.csv"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COURSE_SOLUTIONS": str(tiny["solutions"])}
+    run = subprocess.Popen([sys.executable, "-m", "course_lib.tools.cli", "grade", str(folder), "-j", "1",
+                            "--timeout", "600", "--csv", str(csv_path)], env=env, start_new_session=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (csv_path.exists() and _rows(csv_path).get("a_quick/90_tiny.ipynb", {}).get("score")):
+            assert run.poll() is None and time.monotonic() < deadline, "the first notebook was never written out"
+            time.sleep(0.2)
+        while not [q for q in psutil.process_iter(["cmdline"]) if marker in (q.info["cmdline"] or [])]:
+            assert run.poll() is None and time.monotonic() < deadline, "the slow notebook never started"
+            time.sleep(0.2)
+        os.killpg(run.pid, signal.SIGINT)  # as Ctrl-C in a terminal: to the whole foreground group
+        _, err = run.communicate(timeout=30)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    rows = _rows(csv_path)
+    assert run.returncode == 130 and "stopped" in err, err[-2000:]
+    assert rows["a_quick/90_tiny.ipynb"]["score"] == "3" and rows["b_slow/90_tiny.ipynb"]["score"] == ""
+    assert "not graded yet" in rows["b_slow/90_tiny.ipynb"]["problem"]
+    assert (tmp_path / "out" / "feedback" / "a_quick" / "90_tiny.md").exists()
+    assert json.loads(csv_path.with_suffix(".json").read_text())["submissions"][0]["score"] == 3
+    time.sleep(1)
+    left = [p.pid for p in psutil.process_iter(["cmdline"]) if marker in (p.info["cmdline"] or [])]
+    assert not left, "the interrupted notebook's processes outlived the grader"
+
+
 def test_checks_stop_at_their_time_limit_and_cost_only_their_question(tiny, monkeypatch):
     from course_lib.tools.grading import checker
 

@@ -11,6 +11,7 @@
 - ``forbid``: what a question's answer must not call;
 - ``grade``: one notebook (``course grade``, ``course check``);
 - ``classroom``: a folder of submissions in parallel: CSV, summary, feedback;
+- ``workers``: the worker processes that grade them, each notebook under a deadline;
 - ``release``: the learner's copy of the course (``course release``);
 - ``commands``: the CLI entry points.
 

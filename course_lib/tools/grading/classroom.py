@@ -8,12 +8,14 @@ notebook; a notebook that cannot be graded still gets a row, with the reason
 in ``problem``.
 
 Order of events: every instructor notebook and every submission is read into
-memory first; then worker processes grade (each notebook in its own sandboxed
-kernel, the class's folder and the outputs hidden from it); the grader's main
-process only collects results and, at the very end, writes each output file
-atomically (to a temporary name, then renamed). A worker that a submission
-managed to kill (possible only without isolation) is replaced and the
-submissions it held are graded again, one at a time.
+memory first; then worker processes grade (``workers``: each notebook in its
+own sandboxed kernel, the class's folder and the outputs hidden from it,
+under a deadline); the grader's main process only collects results and, as
+each notebook finishes, rewrites the CSV, the JSON and the summary and writes
+that notebook's feedback, each file atomically (to a temporary name, then
+renamed): a run that is stopped keeps every grade given so far, and lists
+the rest as not graded yet. A worker that a submission managed to kill (possible
+only without isolation) is replaced and that submission graded once more.
 """
 
 from __future__ import annotations
@@ -21,19 +23,20 @@ from __future__ import annotations
 import csv
 import io
 import json
-import multiprocessing
 import os
 import re
 import statistics
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from course_lib.tools.grading import checker, grade, workers
+from course_lib.tools.grading.execute import longest_run
 from course_lib.tools.grading.exercise import Catalog, Exercise, GradingError, is_test_cell, notebook_from_bytes
 from course_lib.tools.grading.grade import GradeResult, grade_notebook, points_text
 from course_lib.tools.grading.isolation import Limits, describe, detect
+
+PENDING = "not graded yet: grading was still running, or was stopped before this notebook"
 
 
 @dataclass
@@ -60,6 +63,16 @@ class Settings:
     hide: list[Path] = field(default_factory=list)
     threads: int = 1
     limits: Limits | None = None           # None: Limits.from_env()
+    deadline: float | None = None          # seconds a worker may spend on one notebook (None: notebook_deadline)
+
+
+def notebook_deadline(settings: Settings, ex: Exercise) -> float:
+    """Seconds a worker may spend on one notebook of ``ex``: the longest its kernel can run, the time limits
+    of decoding and checking each question, and a minute for the rest (the sandbox, reading the source)."""
+    if settings.deadline is not None:
+        return settings.deadline
+    per_question = grade.DECODE_TIMEOUT + checker.CHECK_TIMEOUT
+    return longest_run(settings.timeout, settings.notebook_timeout) + len(ex.questions) * per_question + 60
 
 
 def find_submissions(folder: Path) -> list[Path]:
@@ -88,36 +101,38 @@ def _grade_one(sub: Submission, settings: Settings) -> tuple[GradeResult | None,
         return None, str(exc)
 
 
-def _run_pool(subs: list[Submission], settings: Settings, jobs: int,
-              progress: Callable[[Submission], None] | None) -> list[Submission]:
-    """Grade ``subs`` with ``jobs`` workers; return those lost with a broken pool."""
+def _grade(subs: list[Submission], settings: Settings, jobs: int,
+           record: Callable[[Submission], None]) -> list[Submission]:
+    """Grade ``subs`` with ``jobs`` workers, ``record`` each as it ends; return those whose worker died."""
     lost: list[Submission] = []
-    ctx = multiprocessing.get_context("spawn")  # a clean interpreter: nothing of this process is shared
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-        running = {pool.submit(_grade_one, s, settings): s for s in subs}
-        while running:
-            done, _ = wait(running, return_when=FIRST_COMPLETED)
-            for fut in done:
-                sub = running.pop(fut)
-                sub.attempts += 1
-                try:
-                    sub.result, sub.problem = fut.result()
-                except BrokenProcessPool:
-                    lost.append(sub)
-                    continue
-                except Exception as exc:  # a bug in the grader should not lose the class's other grades
-                    sub.problem = f"the grader failed on this notebook: {type(exc).__name__}: {exc}"
-                if progress:
-                    progress(sub)
+
+    def finished(sub: Submission, outcome: workers.Outcome) -> None:
+        sub.attempts += 1
+        if outcome.kind == "died":
+            lost.append(sub)
+            return
+        if outcome.kind == "done":
+            sub.result, sub.problem = outcome.value
+        elif outcome.kind == "overtime":
+            sub.problem = (f"grading this notebook ran past its deadline of "
+                           f"{notebook_deadline(settings, sub.exercise):.0f} s (its kernel's time limits, then "
+                           "decoding and checking each question): it was stopped, not graded")
+        else:  # a bug in the grader should not lose the class's other grades
+            sub.problem = f"the grader failed on this notebook: {outcome.value}"
+        record(sub)
+
+    workers.run(subs, _grade_one, settings, jobs, lambda s: notebook_deadline(settings, s.exercise), finished)
     return lost
 
 
 def grade_folder(folder: Path | str, timeout: int = 60, solutions: Path | str | None = None,
                  progress: Callable[[Submission], None] | None = None, jobs: int = 1,
                  notebook_timeout: float | None = None, isolation: str | None = None,
-                 hide: list[Path] | None = None, limits: Limits | None = None) -> list[Submission]:
+                 hide: list[Path] | None = None, limits: Limits | None = None, outputs: Outputs | None = None,
+                 deadline: float | None = None) -> list[Submission]:
     """Grade every notebook under ``folder`` with ``jobs`` parallel workers (each notebook in its own kernel,
-    within ``limits``)."""
+    within ``limits``, each worker within ``deadline`` seconds a notebook: default ``notebook_deadline``).
+    ``outputs``: where the grades are written, updated as each notebook finishes."""
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"no such folder: {folder}")
@@ -138,18 +153,29 @@ def grade_folder(folder: Path | str, timeout: int = 60, solutions: Path | str | 
         sub.student = student_id(Path(sub.rel), sub.exercise.name if sub.exercise else None)
         subs.append(sub)
     settings = Settings(timeout, notebook_timeout, isolation, [folder, catalog.folder, *(hide or [])],
-                        threads=max(1, (os.cpu_count() or 1) // jobs), limits=limits or Limits.from_env())
-    todo = [s for s in subs if s.exercise is not None]
+                        threads=max(1, (os.cpu_count() or 1) // jobs), limits=limits or Limits.from_env(),
+                        deadline=deadline)
+    todo = [s for s in subs if s.exercise is not None and not s.problem]
+    for s in todo:
+        s.problem = PENDING
+
+    def record(sub: Submission) -> None:
+        if outputs is not None:
+            outputs.update(subs, sub)
+        if progress:
+            progress(sub)
+
+    if outputs is not None:
+        outputs.update(subs)  # every submission listed before the first kernel starts
     for s in subs:
-        if s.exercise is None and progress:
+        if s not in todo and progress:
             progress(s)
-    lost = _run_pool(todo, settings, jobs, progress)
-    for sub in lost:  # one at a time, so that a notebook that kills its worker only loses itself
-        if _run_pool([sub], settings, 1, progress):
+    lost = _grade(todo, settings, jobs, record)
+    for sub in lost:  # its worker died: once more, alone, in case something else killed it
+        if _grade([sub], settings, 1, record):
             sub.problem = ("grading this notebook killed the grader's worker process (twice): it was not "
                            f"graded; isolation {isolation or detect()} could not stop it")
-            if progress:
-                progress(sub)
+            record(sub)
     return subs
 
 
@@ -292,20 +318,34 @@ def feedback_markdown(sub: Submission) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_outputs(subs: list[Submission], csv_path: Path, feedback_dir: Path | None,
-                  isolation: str = "") -> dict[str, Path]:
-    """The CSV, the JSON, the summary and the feedback files, each written atomically; their paths."""
-    rows = summary(subs)
-    detail = describe(isolation) if isolation else ""
-    json_doc = {"isolation": isolation, "isolation_detail": detail, "summary": rows, "submissions": [
-        {"student": s.student, "submission": s.rel, **(s.result.as_dict() if s.result else {"error": s.problem})}
-        for s in subs]}
-    out = {"csv": write_atomic(csv_path, csv_text(subs)),
-           "json": write_atomic(csv_path.with_suffix(".json"), json.dumps(json_doc, indent=1)),
-           "summary": write_atomic(csv_path.with_name(f"{csv_path.stem}_summary.csv"), summary_csv(rows))}
-    if feedback_dir is not None:
-        for s in subs:
-            if s.result is not None:
-                write_atomic(feedback_dir / s.student / f"{s.result.exercise}.md", feedback_markdown(s))
-        out["feedback"] = feedback_dir
-    return out
+@dataclass
+class Outputs:
+    """Where a class's grades go: the CSV at ``csv``, the JSON and the summary beside it, and one feedback file
+    per graded notebook under ``feedback`` (none if ``None``)."""
+
+    csv: Path
+    feedback: Path | None = None
+    isolation: str = ""
+
+    def paths(self) -> dict[str, Path]:
+        out = {"csv": self.csv, "json": self.csv.with_suffix(".json"),
+               "summary": self.csv.with_name(f"{self.csv.stem}_summary.csv")}
+        return {**out, "feedback": self.feedback} if self.feedback is not None else out
+
+    def update(self, subs: list[Submission], done: Submission | None = None) -> dict[str, Path]:
+        """Rewrite the CSV, the JSON and the summary for ``subs``, each atomically, and write the feedback of
+        ``done`` (``None``: of every graded notebook); the paths. Called as each notebook finishes, so that a
+        stopped run keeps what was graded; rewriting the tables costs time linear in the class, each time."""
+        paths, rows = self.paths(), summary(subs)
+        detail = describe(self.isolation) if self.isolation else ""
+        json_doc = {"isolation": self.isolation, "isolation_detail": detail, "summary": rows, "submissions": [
+            {"student": s.student, "submission": s.rel, **(s.result.as_dict() if s.result else {"error": s.problem})}
+            for s in subs]}
+        write_atomic(paths["csv"], csv_text(subs))
+        write_atomic(paths["json"], json.dumps(json_doc, indent=1))
+        write_atomic(paths["summary"], summary_csv(rows))
+        if self.feedback is not None:
+            for s in subs if done is None else [done]:
+                if s.result is not None:
+                    write_atomic(self.feedback / s.student / f"{s.result.exercise}.md", feedback_markdown(s))
+        return paths

@@ -3,7 +3,8 @@
 Each takes the parsed arguments and returns the exit status. ``grade`` exits
 0 whenever grading completed, whatever the score; a notebook that cannot be
 graded raises ``GradingError`` (a ``ValueError``), which the CLI prints and
-turns into exit status 2.
+turns into exit status 2. A folder's grading stopped with Ctrl-C exits 130,
+with every grade given until then written out.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def grade(args: argparse.Namespace) -> int:
 
 def _grade_folder(folder: Path, args: argparse.Namespace) -> int:
     from course_lib.tools.grading import isolation
-    from course_lib.tools.grading.classroom import Submission, grade_folder, summary, summary_text, write_outputs
+    from course_lib.tools.grading.classroom import Outputs, Submission, grade_folder, summary, summary_text
 
     csv_path = Path(args.csv) if getattr(args, "csv", None) else folder / "grades.csv"
     feedback = getattr(args, "feedback", None)
@@ -83,17 +84,27 @@ def _grade_folder(folder: Path, args: argparse.Namespace) -> int:
     print(f"[course] isolation: {isolation.describe(mode)}", file=sys.stderr, flush=True)
     print(f"[course] {getattr(args, 'jobs', 1)} worker(s)", file=sys.stderr, flush=True)
 
+    finished: list[Submission] = []
+
     def progress(sub: Submission) -> None:
+        finished.append(sub)
         if sub.result:
             what = f"{points_text(sub.result.score)}/{points_text(sub.result.max_score)}"
         else:
             what = f"not graded: {sub.problem}"
         print(f"[course] {sub.rel}: {what}", file=sys.stderr, flush=True)
 
-    subs = grade_folder(folder, timeout=args.timeout, solutions=_solutions(args), progress=progress,
-                        jobs=getattr(args, "jobs", 1), notebook_timeout=getattr(args, "notebook_timeout", None),
-                        hide=[csv_path.parent, *([feedback_dir] if feedback_dir else [])])
-    out = write_outputs(subs, csv_path, feedback_dir, isolation=mode)
+    outputs = Outputs(csv_path, feedback_dir, isolation=mode)
+    try:
+        subs = grade_folder(folder, timeout=args.timeout, solutions=_solutions(args), progress=progress,
+                            jobs=getattr(args, "jobs", 1), notebook_timeout=getattr(args, "notebook_timeout", None),
+                            hide=[csv_path.parent, *([feedback_dir] if feedback_dir else [])], outputs=outputs)
+    except KeyboardInterrupt:
+        done = sum(s.result is not None for s in finished)
+        print(f"\n[course] stopped: the {done} notebook(s) graded so far are written to {csv_path}; the others "
+              "are listed as not graded yet. Grade again to finish.", file=sys.stderr)
+        return 130
+    out = outputs.paths()
     rows = summary(subs)
     if args.json:
         print(json.dumps([{"student": s.student, **(s.result.as_dict() if s.result else

@@ -220,6 +220,17 @@ async def _run_cells(nb: NotebookNode, sandbox: Sandbox, timeout: int, total_tim
         log.close()
 
 
+def notebook_limit(timeout: int, total_timeout: float | None = None) -> float:
+    """Seconds for all of a notebook's cells: ``total_timeout``, else ten cells' worth, at least two minutes."""
+    return total_timeout if total_timeout is not None else max(120, 10 * timeout)
+
+
+def longest_run(timeout: int, total_timeout: float | None = None) -> float:
+    """The most a ``run_notebook`` can take: its kernel's start, its cells, and the last cell's overrun (the
+    guard above nbclient's limit, an interrupt's wait, a shutdown)."""
+    return STARTUP_TIMEOUT + GRACE + notebook_limit(timeout, total_timeout) + 2 * GRACE + RECOVER_TIMEOUT + GRACE
+
+
 def run_notebook(nb: NotebookNode, sandbox: Sandbox, timeout: int = 60, total_timeout: float | None = None,
                  after_cell: Callable[[int, CellRun], None] | None = None) -> list[CellRun]:
     """Execute ``nb`` in a fresh kernel inside ``sandbox``; one ``CellRun`` per cell.
@@ -232,7 +243,7 @@ def run_notebook(nb: NotebookNode, sandbox: Sandbox, timeout: int = 60, total_ti
     """
     if timeout < 1:
         raise GradingError(f"the time limit per cell must be at least 1 second, got {timeout}")
-    total = total_timeout if total_timeout is not None else max(120, 10 * timeout)
+    total = notebook_limit(timeout, total_timeout)
     runs = [CellRun() for _ in nb.cells]
     try:
         asyncio.run(_run_cells(nb, sandbox, timeout, total, runs, after_cell))
