@@ -819,6 +819,23 @@ def _rows(csv_path: Path) -> dict[str, dict]:
     return {r["submission"]: r for r in csv.DictReader(csv_path.read_text().splitlines())}
 
 
+def test_students_whose_ids_collide_are_refused_and_the_rest_graded(tiny, tmp_path):
+    right = "    return x + 1"
+    folder = _class(tiny, tmp_path / "class", {rel: right for rel in (
+        "a b/90_tiny.ipynb", "a_b/90_tiny.ipynb", "Zoe/90_tiny.ipynb", "zoe_90_tiny.ipynb", "carl/90_tiny.ipynb",
+        "carl/old/90_tiny.ipynb", "dana/90_tiny.ipynb")})
+    out = classroom.Outputs(tmp_path / "out" / "grades.csv", tmp_path / "out" / "feedback")
+    subs = {s.rel: s for s in classroom.grade_folder(folder, timeout=SHORT, solutions=tiny["solutions"], outputs=out)}
+    assert subs["dana/90_tiny.ipynb"].result.score == 3, subs["dana/90_tiny.ipynb"].problem
+    for rel, other in [("a b/90_tiny.ipynb", "a_b/90_tiny.ipynb"), ("a_b/90_tiny.ipynb", "a b/90_tiny.ipynb"),
+                       ("Zoe/90_tiny.ipynb", "zoe_90_tiny.ipynb"), ("zoe_90_tiny.ipynb", "Zoe/90_tiny.ipynb")]:
+        assert subs[rel].result is None and other in subs[rel].problem and "rename" in subs[rel].problem, rel
+    for rel in ("carl/90_tiny.ipynb", "carl/old/90_tiny.ipynb"):
+        assert subs[rel].result is None and "more than once" in subs[rel].problem and "keep one" in subs[rel].problem
+    assert sorted(p.parent.name for p in (tmp_path / "out" / "feedback").rglob("*.md")) == ["dana"]
+    assert _rows(out.csv)["a b/90_tiny.ipynb"]["problem"] == subs["a b/90_tiny.ipynb"].problem
+
+
 def test_a_worker_past_its_deadline_is_stopped_and_the_rest_graded(tiny, tmp_path):
     folder = _class(tiny, tmp_path / "class", {"stuck/90_tiny.ipynb": "    import time\n    time.sleep(120)",
                                                 "quick/90_tiny.ipynb": "    return x + 1"})

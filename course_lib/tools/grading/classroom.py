@@ -8,14 +8,16 @@ notebook; a notebook that cannot be graded still gets a row, with the reason
 in ``problem``.
 
 Order of events: every instructor notebook and every submission is read into
-memory first; then worker processes grade (``workers``: each notebook in its
-own sandboxed kernel, the class's folder and the outputs hidden from it,
-under a deadline); the grader's main process only collects results and, as
-each notebook finishes, rewrites the CSV, the JSON and the summary and writes
+memory first, and submissions whose student ids collide are refused; then
+worker processes grade (``workers``: each notebook in its own sandboxed
+kernel, the class's folder and the outputs hidden from it, under a
+deadline); the grader's main process only collects results and, as each
+notebook finishes, rewrites the CSV, the JSON and the summary and writes
 that notebook's feedback, each file atomically (to a temporary name, then
 renamed): a run that is stopped keeps every grade given so far, and lists
-the rest as not graded yet. A worker that a submission managed to kill (possible
-only without isolation) is replaced and that submission graded once more.
+the rest as not graded yet. A worker that a submission managed to kill
+(possible only without isolation) is replaced and that submission graded
+once more.
 """
 
 from __future__ import annotations
@@ -80,14 +82,47 @@ def find_submissions(folder: Path) -> list[Path]:
     return sorted(p for p in Path(folder).rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
 
 
+def student_name(rel: Path, exercise: str | None) -> str:
+    """Who handed ``rel`` in, as written: its first folder, else what its file name holds besides ``exercise``."""
+    if len(rel.parts) > 1:
+        return rel.parts[0]
+    stem = rel.stem
+    return (stem.replace(exercise, "").strip(" _-.") if exercise and exercise in stem else stem) or stem
+
+
 def student_id(rel: Path, exercise: str | None) -> str:
     """``alice/01_x.ipynb`` -> ``alice``; ``alice_01_x.ipynb`` -> ``alice``; ``01_x.ipynb`` -> ``01_x``."""
-    if len(rel.parts) > 1:
-        found = rel.parts[0]
-    else:
-        stem = rel.stem
-        found = (stem.replace(exercise, "").strip(" _-.") if exercise and exercise in stem else stem) or stem
-    return re.sub(r"[^\w.@+-]", "_", found).lstrip(".") or "unnamed"
+    return re.sub(r"[^\w.@+-]", "_", student_name(rel, exercise)).lstrip(".") or "unnamed"
+
+
+def refuse_collisions(subs: list[Submission]) -> None:
+    """Refuse (a ``problem`` that says what to rename) the submissions whose student ids collide: two names
+    that differ only in case or in characters an id replaces (``a b`` and ``a_b``; ``Zoe`` and ``zoe`` share a
+    folder where case does not count), or one student's exercise handed in twice. Either would give two rows
+    one name, and the second feedback file would overwrite the first."""
+    def name(sub: Submission) -> str:
+        return student_name(Path(sub.rel), sub.exercise.name if sub.exercise else None)
+
+    groups: dict[str, list[Submission]] = {}
+    for sub in subs:
+        groups.setdefault(sub.student.casefold(), []).append(sub)
+    for group in groups.values():
+        if len({name(s) for s in group}) > 1:
+            for sub in group:
+                others = ", ".join(o.rel for o in group if name(o) != name(sub))
+                sub.problem = sub.problem or (
+                    f"its student id {sub.student} is also that of {others} (names that differ only in case or in "
+                    "characters an id replaces): rename one of them and grade again")
+            continue
+        by_exercise: dict[str, list[Submission]] = {}
+        for sub in group:
+            if sub.exercise is not None:
+                by_exercise.setdefault(sub.exercise.name, []).append(sub)
+        for same in by_exercise.values():
+            for sub in same if len(same) > 1 else []:
+                sub.problem = sub.problem or (
+                    f"student {sub.student} handed in exercise {sub.exercise.name} more than once "
+                    f"({', '.join(s.rel for s in same)}): keep one and grade again")
 
 
 def _grade_one(sub: Submission, settings: Settings) -> tuple[GradeResult | None, str]:
@@ -152,6 +187,7 @@ def grade_folder(folder: Path | str, timeout: int = 60, solutions: Path | str | 
             sub.problem = str(exc)
         sub.student = student_id(Path(sub.rel), sub.exercise.name if sub.exercise else None)
         subs.append(sub)
+    refuse_collisions(subs)
     settings = Settings(timeout, notebook_timeout, isolation, [folder, catalog.folder, *(hide or [])],
                         threads=max(1, (os.cpu_count() or 1) // jobs), limits=limits or Limits.from_env(),
                         deadline=deadline)
