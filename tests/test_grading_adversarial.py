@@ -18,21 +18,26 @@ import sys
 import time
 from pathlib import Path
 
+import html
 import re
 
+import mistune
 import nbformat
 import psutil
 import pytest
 
 import adversarial as A
-from course_lib.tools.grading import isolation, wire
+from course_lib.tools.grading import classroom, isolation, wire
 from course_lib.tools.grading.exercise import Catalog
+from course_lib.tools.grading.grade import GradeResult, QuestionResult
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = f"course-detached-{os.getpid()}"
 PLANTED = f"planted_{os.getpid()}.py"
 STRONG = isolation.detect() in ("namespaces+uid", "uid", "namespaces")
 
+FORMULA = '=HYPERLINK("example.com?grades","open me")'  # a folder name a spreadsheet would run
+LEARNER_TEXT = "<script>alert(1)</script> [open](javascript:alert(1)) `` ` ``x ![i](javascript:1) *bold* &amp; |"
 DECODE_SECONDS = 1.0  # what refusing any hostile answers file may cost (each took seconds to hours before)
 
 LEAK = A.Attack(
@@ -84,6 +89,8 @@ def graded(tmp_path_factory):
                FORGED, *A.LIMITS, A.exfiltrate(listener.port), A.plant(PLANTED, [folder]), *A.ANSWERS]
     for attack in attacks:
         attack.write(folder)
+    (folder / FORMULA).mkdir()
+    shutil.copy(ROOT / "exercises" / "02_batch_size.ipynb", folder / FORMULA)
     A.write_solution(folder, "02_batch_size", "zz_classmate")   # what the copier hopes to find
     A.write_solution(folder, "01_memory_anatomy", "zz_after_the_killer")
     later = folder / "zz_later_learner"                          # graded after the solutions were attacked
@@ -209,7 +216,7 @@ def test_feedback_never_quotes_a_hidden_test(graded):
         assert not found, f"{path.relative_to(graded['out'])} quotes hidden tests: {found[:3]}"
 
 
-# ----- the grader's own process: the answers it decodes ------------------------------------------------
+# ----- the grader's own process: the answers it decodes, the CSV and the feedback it writes ----------------
 
 
 @pytest.mark.parametrize("attack", list(A.ANSWERS_ATTACKS))
@@ -259,6 +266,41 @@ def test_a_slow_decode_fails_its_question_at_the_time_limit(monkeypatch):
     assert time.monotonic() - start < 2
 
 
+def _graded_class() -> list[classroom.Submission]:
+    """Two graded notebooks of exercise 02 whose learner-chosen text (folder names, error messages) is hostile."""
+    ex = Catalog(ROOT / "solutions").exercises["02_batch_size"]
+    questions = [QuestionResult(q.name, 0, q.points, "error", f"your code raised ValueError on the test's inputs: "
+                                                              f"{LEARNER_TEXT}") for q in ex.questions]
+    subs = []
+    for rel in (f"{FORMULA}/02_batch_size.ipynb", "@SUM(1+1)/02_batch_size.ipynb", "-2+3_02_batch_size.ipynb",
+                "`a``b <i>/02_batch_size.ipynb"):
+        sub = classroom.Submission(Path(rel), rel=rel, exercise=ex, problem="")
+        sub.student = classroom.student_id(Path(rel), ex.name)
+        sub.result = GradeResult(rel, ex.name, questions)
+        subs.append(sub)
+    subs[1].result, subs[1].problem = None, "+cmd|' /C calc'!A0"
+    return subs
+
+
+def test_the_csv_shows_learner_text_as_text():
+    rows = list(csv.reader(classroom.csv_text(_graded_class()).splitlines()))
+    cells = [c for row in rows for c in row]
+    assert f"'{FORMULA}/02_batch_size.ipynb" in cells and "'@SUM_1+1_" in cells and "'+cmd|' /C calc'!A0" in cells
+    formulas = [c for c in cells if c[:1] in ("=", "+", "-", "@", "\t", "\r")]
+    assert not formulas, f"cells a spreadsheet would run as formulas: {formulas}"
+
+
+def test_feedback_shows_learner_text_as_text():
+    for sub in _graded_class():
+        if sub.result is None:
+            continue
+        page = mistune.html(classroom.feedback_markdown(sub))
+        assert "<script" not in page and "<a " not in page and "<img" not in page and "<i>" not in page, page
+        shown = html.unescape(re.sub(r"<[^>]+>", "", page))
+        assert LEARNER_TEXT in shown, f"the learner's text, shown as written: {shown}"
+        assert sub.rel in shown, f"the feedback names the notebook as it was handed in: {shown}"
+
+
 def test_a_hostile_answers_file_costs_only_its_question(graded):
     for name, (stem, attacks, honest) in A.ANSWERS_PLAN.items():
         row = graded["rows"][name]
@@ -268,3 +310,9 @@ def test_a_hostile_answers_file_costs_only_its_question(graded):
             assert reason.startswith("error: your answers could not be read: "), f"{name} {question}: {reason}"
             assert A.ANSWERS_ATTACKS[attack][1] in reason, f"{name} {question} ({attack}): {reason}"
         assert float(row["score"]) == honest, f"{name}: the honest questions score, the attacked ones not: {row}"
+
+
+def test_a_formula_in_a_folder_name_stays_text_in_the_csv(graded):
+    rows = list(csv.reader(graded["csv_text"].splitlines()))
+    assert [f"'{FORMULA}/02_batch_size.ipynb"] == [c for r in rows for c in r if FORMULA in c], rows
+    assert not [c for r in rows for c in r if c[:1] in ("=", "+", "-", "@")]

@@ -18,6 +18,10 @@ renamed): a run that is stopped keeps every grade given so far, and lists
 the rest as not graded yet. A worker that a submission managed to kill
 (possible only without isolation) is replaced and that submission graded
 once more.
+
+Everything a learner chose (folder and file names, the text of their
+errors) is data: a CSV cell that a spreadsheet would read as a formula gets a
+leading apostrophe, and the feedback escapes markdown and HTML.
 """
 
 from __future__ import annotations
@@ -240,17 +244,26 @@ def question_names(subs: list[Submission]) -> list[str]:
     return names
 
 
+_FORMULA = ("=", "+", "-", "@", "\t", "\r", "\n")  # how a cell a spreadsheet runs as a formula can start
+
+
+def as_text(cells: list) -> list:
+    """A CSV row whose text cells a spreadsheet shows as text: one that starts like a formula (``=``, ``+``,
+    ``-``, ``@``, or a tab or line break before one) gets a leading apostrophe, which it hides."""
+    return ["'" + c if isinstance(c, str) and c.startswith(_FORMULA) else c for c in cells]
+
+
 def csv_text(subs: list[Submission]) -> str:
     """Columns: student, submission, exercise, score, max_score, per question its points and its reason, problem."""
     questions = question_names(subs)
     out = io.StringIO()
     w = csv.writer(out)
-    w.writerow(["student", "submission", "exercise", "score", "max_score",
-                *[c for q in questions for c in (q, f"{q}_reason")], "problem"])
+    w.writerow(as_text(["student", "submission", "exercise", "score", "max_score",
+                        *[c for q in questions for c in (q, f"{q}_reason")], "problem"]))
     for sub in subs:
         if sub.result is None:
-            w.writerow([sub.student, sub.rel, sub.exercise.name if sub.exercise else "", "", "",
-                        *[""] * (2 * len(questions)), sub.problem])
+            w.writerow(as_text([sub.student, sub.rel, sub.exercise.name if sub.exercise else "", "", "",
+                                *[""] * (2 * len(questions)), sub.problem]))
             continue
         by_name = {q.name: q for q in sub.result.questions}
         cells = []
@@ -258,8 +271,8 @@ def csv_text(subs: list[Submission]) -> str:
             q = by_name.get(name)
             cells += [points_text(q.score), "" if q.status == "passed" else f"{q.status}: {q.message}"] if q else ["", ""]
         problems = "; ".join(f"{q.name}: {q.status}" for q in sub.result.questions if q.status != "passed")
-        w.writerow([sub.student, sub.rel, sub.result.exercise, points_text(sub.result.score),
-                    points_text(sub.result.max_score), *cells, problems])
+        w.writerow(as_text([sub.student, sub.rel, sub.result.exercise, points_text(sub.result.score),
+                            points_text(sub.result.max_score), *cells, problems]))
     return out.getvalue()
 
 
@@ -288,7 +301,7 @@ def summary_csv(rows: list[dict]) -> str:
     out = io.StringIO()
     w = csv.DictWriter(out, fieldnames=["exercise", "question", "graded", "mean_score", "max_score", "pass_rate"])
     w.writeheader()
-    w.writerows(rows)
+    w.writerows(dict(zip(r, as_text(list(r.values())))) for r in rows)
     return out.getvalue()
 
 
@@ -314,6 +327,14 @@ def hidden_snippets(ex: Exercise, shortest: int = 8) -> set[str]:
 
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]{0,60}")
+_MARKUP = re.compile(r"([\\`*_\[\]<>|~&$])")       # what markdown, its tables, HTML or math could read as markup
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]+")          # line breaks, and a terminal's escape sequences
+
+
+def as_markdown(text: str) -> str:
+    """Markdown that shows ``text`` as written, on one line: every character that could start a tag, a link, an
+    image, a code span, emphasis, a table cell or math is backslash-escaped (a learner wrote the text)."""
+    return _MARKUP.sub(r"\\\1", " ".join(_CONTROL.sub(" ", text).split()))
 
 
 def _feedback_line(q, hint: str | None, secret: set[str]) -> str:
@@ -332,7 +353,7 @@ def _feedback_line(q, hint: str | None, secret: set[str]) -> str:
     if any(s in text for s in secret):
         text = f"{q.status} (the message is withheld: it quotes the hidden tests)"
     helps = hint and hint not in text and q.status in ("failed", "error", "timeout")
-    return text + (f"\n  - hint: {hint}" if helps else "")
+    return as_markdown(text) + (f"\n  - hint: {hint}" if helps else "")  # the hint is the instructor's markdown
 
 
 def feedback_markdown(sub: Submission) -> str:
@@ -341,7 +362,7 @@ def feedback_markdown(sub: Submission) -> str:
     assert r is not None and ex is not None
     secret = hidden_snippets(ex)
     lines = [f"# {r.exercise}: {points_text(r.score)} of {points_text(r.max_score)} points", "",
-             f"Notebook: `{sub.rel}`", "", "| question | points | result |", "|---|---|---|"]
+             f"Notebook: {as_markdown(sub.rel)}", "", "| question | points | result |", "|---|---|---|"]
     for q in r.questions:
         lines.append(f"| {q.name} | {points_text(q.score)}/{points_text(q.max_score)} | {q.status} |")
     notes = [(q, _feedback_line(q, ex.question(q.name).hint, secret)) for q in r.questions]
