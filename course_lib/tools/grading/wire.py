@@ -129,15 +129,11 @@ _DIGITS = len(str(MAX_INT))
 def _integer(text: str) -> int:
     """An integer of the document, refused before it is converted when it has more digits than any below
     ``MAX_INT`` (converting a long one costs time quadratic in its digits)."""
-    if len(text) <= _DIGITS:  # the common case, first: this runs for every integer of the file
-        value = int(text)
-        if -MAX_INT < value < MAX_INT:
-            return value
-    value = int(text) if len(text) <= _DIGITS + 1 else MAX_INT
-    if not -MAX_INT < value < MAX_INT:
-        raise WireError(f"an integer of {len(text.lstrip('-'))} digits: the grader reads integers below 2**63 in "
-                        "magnitude")
-    return value
+    value = int(text) if len(text) <= _DIGITS + 1 else MAX_INT  # a sign and 19 digits hold every int64
+    if -MAX_INT < value < MAX_INT:
+        return value
+    raise WireError(f"an integer of {len(text.lstrip('-'))} digits: the grader reads integers below 2**63 in "
+                    "magnitude")
 
 
 def _hashable(items: list, what: str) -> None:
