@@ -183,7 +183,7 @@ def cpu_speed() -> CpuSpeed:
     torch.set_num_threads(1)
     try:
         gen = torch.Generator().manual_seed(0)
-        a, b = torch.randn(4, 256, 256, generator=gen), torch.randn(4, 256, 256, generator=gen)
+        a, b = torch.randn(4, 256, 256, generator=gen), torch.randn(4, 256, 256, generator=gen)  # host: a CPU benchmark
         best = {}
         for dtype in (torch.float32, torch.bfloat16):
             x, y = a.to(dtype), b.to(dtype)

@@ -113,8 +113,8 @@ def _generator(seed: int, index: int) -> torch.Generator:
 def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
     """The order of the ``n`` samples in ``epoch``: a permutation drawn from a generator seeded by (seed, epoch)."""
     if not shuffle:
-        return torch.arange(n)
-    return torch.randperm(n, generator=_generator(seed, epoch))
+        return torch.arange(n)  # host: a sampler's index
+    return torch.randperm(n, generator=_generator(seed, epoch))  # host: a sampler's index
 
 
 @dataclass(frozen=True)
@@ -159,7 +159,8 @@ class StepOrder:
             raise ValueError(f"fit orders the samples itself and cannot follow a {type(loader.sampler).__name__} "
                              "or a custom batch_sampler: build the loader with course_lib.data.make_loader")
         # make_loader seeds the loader's generator; without one, draw a seed (checkpoints keep it)
-        seed = loader.generator.initial_seed() if loader.generator is not None else int(torch.randint(2**31, ()))
+        seed = (loader.generator.initial_seed() if loader.generator is not None
+                else int(torch.randint(2**31, ())))  # host
         order = cls(len(loader.dataset), loader.batch_size, accumulation_steps,
                     isinstance(loader.sampler, RandomSampler), loader.drop_last, seed)
         if order.batches_per_epoch == 0:

@@ -306,20 +306,7 @@ SCOPE_SKIPPED = ("course_lib/data.py", "course_lib/tools/grading/")
 HOST_MARK = re.compile(r"#\s*host\b")
 # Host-side on purpose, in modules whose code this change leaves alone: each one's own `# host` mark belongs
 # there (then take it out of this list; an entry that no longer matches fails the check).
-UNMARKED_HOST_SITES = {
-    ("course_lib/env.py", "torch.randn(4, 256, 256, generator=gen)"): "the CPU's matmul benchmark (twice: a, b)",
-    ("course_lib/train.py", "torch.arange(n)"): "the order of an epoch's samples (a sampler's index)",
-    ("course_lib/train.py", "torch.randperm(n, generator=_generator(seed, epoch))"): "the same, shuffled",
-    ("course_lib/train.py", "torch.randint(2**31, ())"): "a seed, read at once",
-    ("course_lib/planner/measure.py",
-     "torch.randint(0, emb.num_embeddings, (m, sample_shape[0] + 1), generator=gen)"): "tokens, sliced and moved",
-    ("course_lib/workers/zero_faults.py", "torch.randn(4, 6, dtype=DTYPE, generator=torch.Generator().manual_seed("
-                                          "1000 * step + 10 * rank + micro))"): "a CPU-rank worker's batch",
-    ("course_lib/workers/ep_compare.py", "torch.randn(world * args.tokens, args.d_model, generator=gen, "
-                                         "dtype=torch.float64)"): "the float64 reference's tokens (twice: x, w)",
-    ("course_lib/workers/cp_compare.py", "torch.randn(cfg.batch, H, T, C // H, generator=g, dtype=torch.float64)"):
-        "the float64 reference's q, k, v",
-}
+UNMARKED_HOST_SITES: dict[tuple[str, str], str] = {}
 
 
 def _host_marked_lines(source: str) -> set[int]:

@@ -154,7 +154,7 @@ def default_batch(model: nn.Module, sample_shape: tuple[int, ...],
         if len(sample_shape) != 1:
             raise ValueError(f"a token model takes samples of shape (seq_len,), got {tuple(sample_shape)}")
         def tokens(m: int):
-            idx = torch.randint(0, emb.num_embeddings, (m, sample_shape[0] + 1), generator=gen)
+            idx = torch.randint(0, emb.num_embeddings, (m, sample_shape[0] + 1), generator=gen)  # host: moved below
             return idx[:, :-1].to(device), idx[:, 1:].to(device)
         return tokens, lm_loss
     with _left_as_it_was(model), torch.no_grad():  # one forward for the number of classes

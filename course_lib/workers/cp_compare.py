@@ -125,7 +125,8 @@ def exact_task(cfg: RunConfig, layout: str, device: torch.device) -> LayoutResul
     T, C, H = cfg.seq_len, cfg.d_model, cfg.n_heads
     # attention alone, float64
     g = torch.Generator().manual_seed(cfg.seed)
-    q, k, v, grad_out = (torch.randn(cfg.batch, H, T, C // H, generator=g, dtype=torch.float64) for _ in range(4))
+    q, k, v, grad_out = (torch.randn(cfg.batch, H, T, C // H, generator=g, dtype=torch.float64)  # host
+                         for _ in range(4))
     ref_q, ref_k, ref_v = (t.clone().requires_grad_() for t in (q, k, v))
     ref = F.scaled_dot_product_attention(ref_q, ref_k, ref_v, is_causal=True)
     ref.backward(grad_out)

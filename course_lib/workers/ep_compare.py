@@ -47,8 +47,8 @@ def one_run(args: argparse.Namespace, ep: int, k: int, capacity_factor: float, a
     torch.manual_seed(args.seed)
     full = MoEMLP(args.d_model, args.hidden, args.experts, k, capacity_factor).double()
     gen = torch.Generator().manual_seed(args.seed + 1)
-    x = torch.randn(world * args.tokens, args.d_model, generator=gen, dtype=torch.float64)
-    w = torch.randn(world * args.tokens, args.d_model, generator=gen, dtype=torch.float64)
+    x = torch.randn(world * args.tokens, args.d_model, generator=gen, dtype=torch.float64)  # host: the reference
+    w = torch.randn(world * args.tokens, args.d_model, generator=gen, dtype=torch.float64)  # host: the reference
     mine = slice(rank * args.tokens, (rank + 1) * args.tokens)
 
     counter = ByteCounter()

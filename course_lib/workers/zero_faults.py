@@ -73,7 +73,8 @@ def _model(seed: int = 0) -> nn.Module:
 
 
 def _batch(step: int, rank: int, micro: int) -> torch.Tensor:
-    return torch.randn(4, 6, dtype=DTYPE, generator=torch.Generator().manual_seed(1000 * step + 10 * rank + micro))
+    gen = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+    return torch.randn(4, 6, dtype=DTYPE, generator=gen)  # host
 
 
 def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
