@@ -10,7 +10,7 @@ import torch
 
 from torch.utils.flop_counter import FlopCounterMode
 
-from course_lib import memory, offload, planner
+from course_lib import env, memory, offload, planner
 from course_lib.data import make_tokens
 from course_lib.distributed.tensor_parallel import TPBlock, TPGroup
 from course_lib.models import MLP, CausalSelfAttention, ResNet, TinyTransformer, lm_loss
@@ -42,8 +42,9 @@ def model() -> TinyTransformer:
 
 @pytest.fixture(scope="module")
 def measured_plan(model: TinyTransformer) -> planner.Plan:
-    # roomy enough for several candidates, too small for the whole batch in fp32 in one pass
-    return planner.plan(model, (T,), B, 14 * MiB)
+    # roomy enough for several candidates, too small for the whole batch in fp32 in one pass; bf16 searched on
+    # every CPU (by default a CPU that emulates it searches fp32 alone), so that its predictions are tested
+    return planner.plan(model, (T,), B, 14 * MiB, precisions=("fp32", "bf16"))
 
 
 def test_plan_fits_the_budget_and_explains_itself(model, measured_plan):
@@ -329,6 +330,17 @@ def test_fused_attention_is_searched_for_attention_models_and_offload_only_on_a_
     assert kinds == {(False, False, 1), (True, False, 1)}  # a CPU, and a vocabulary (64) no wider than the model
     assert set(measured_plan.measurements.fb) == {"fp32", "fp32 fused", "bf16", "bf16 fused"}
     assert not measured_plan.measurements.packed and not measured_plan.measurements.loss  # nothing measured for them
+    default = planner.plan(MLP(hidden=(16,)), (3, 32, 32), 8, 32 * MiB)
+    assert default.measurements.fb.keys() == ({"fp32"} if env.bf16_is_slow("cpu") else {"fp32", "bf16"})
+
+
+def test_a_cpu_that_emulates_bf16_plans_fp32_and_says_so(monkeypatch):
+    monkeypatch.setattr(env, "cpu_speed", lambda: env.CpuSpeed("AVX2", 37.0))
+    p = planner.plan(MLP(hidden=(16,)), (3, 32, 32), 8, 32 * MiB)
+    assert p.measurements.fb.keys() == {"fp32"} and "bf16 was not searched: this CPU emulates it (37x" in p.explanation
+    with pytest.raises(ValueError, match="nothing fits.*bf16 was not searched"):
+        planner.plan(MLP(hidden=(16,)), (3, 32, 32), 8, 1 * MiB)
+    monkeypatch.setattr(env, "cpu_speed", lambda: env.CpuSpeed("AVX512", 0.3))
     assert planner.plan(MLP(hidden=(16,)), (3, 32, 32), 8, 32 * MiB).measurements.fb.keys() == {"fp32", "bf16"}
 
 
@@ -351,7 +363,8 @@ def lm_model() -> TinyTransformer:
 
 @pytest.fixture(scope="module")
 def lm_plan(lm_model) -> planner.Plan:
-    return planner.plan(lm_model, (T,), B, 1 << 34, offload=True)  # on the CPU: chapter 10's simulated host
+    # on the CPU: chapter 10's simulated host; bf16 on every CPU, as above
+    return planner.plan(lm_model, (T,), B, 1 << 34, offload=True, precisions=("fp32", "bf16"))
 
 
 @pytest.mark.parametrize("cfg, band", [(planner.Config("fp32", 4, 4, 1, 0, loss_chunks=4), (0.97, 1.03)),

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from course_lib import memory
+from course_lib import env, memory
 from course_lib.distributed.zero import DEFAULT_BUCKET_MB
 from course_lib.models import CausalSelfAttention
 from course_lib.planner.config import Config
@@ -177,6 +177,22 @@ def _largest_fitting(meas: Measurements, shape: Config, per_rank: int, world_siz
     return Candidate(cfg, bool(ok), predict_peak(meas, cfg, world_size), speed(cfg) if ok else 0.0)
 
 
+def default_precisions(device: torch.device) -> tuple[tuple[str, ...], str]:
+    """The precisions ``plan`` searches when it is not told: fp32, and bf16 where the device runs it at speed.
+
+    A CUDA GPU with bf16 support and a CPU with native bf16 get both. A CPU that emulates bf16
+    (``env.bf16_is_slow``) gets fp32 alone: there bf16 is never the faster choice, and timing it would make
+    the calibration take minutes. It could still be the one that fits, so the second value says what was left
+    out and how to search it anyway (empty when nothing was).
+    """
+    if device.type != "cpu":
+        return (("fp32", "bf16") if device.type == "cuda" and torch.cuda.is_bf16_supported() else ("fp32",)), ""
+    if env.bf16_is_slow(device):
+        return ("fp32",), (f" bf16 was not searched: this CPU emulates it ({env.cpu_speed().bf16_over_fp32:.0f}x "
+                           "fp32's matmul time); pass precisions=('fp32', 'bf16') to search it anyway.")
+    return ("fp32", "bf16"), ""
+
+
 def plan(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, memory_budget_bytes: int,
          world_size: int = 1, *, loss_fn: LossFn | None = None, make_batch: BatchFn | None = None,
          device: torch.device | str | None = None, precisions: tuple[str, ...] | None = None,
@@ -243,9 +259,7 @@ def plan(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, mem
     if states > usable:
         raise ValueError(f"nothing fits {budget_text}: the model states alone need {states / MiB:.1f} MiB even "
                          f"fully sharded over {world_size} rank(s). Use a smaller model or more ranks.")
-    if precisions is None:
-        bf16 = device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_bf16_supported())
-        precisions = ("fp32", "bf16") if bf16 else ("fp32",)
+    precisions, unsearched = (tuple(precisions), "") if precisions is not None else default_precisions(device)
     one_device = any(t == 1 for t, _, _ in sizes)  # chapter 10's options run without tensor parallelism
     kernels = _switch("fused", fused, True, one_device and any(isinstance(m, CausalSelfAttention)
                                                                 for m in model.modules()),
@@ -311,7 +325,7 @@ def plan(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, mem
         raise ValueError(f"nothing fits {budget_text}: the smallest configuration ({small.config.describe()}) "
                          f"needs {small.peak['total'] / MiB:.1f} MiB ({_parts(small.peak)} MiB). Use a budget of at "
                          f"least {small.peak['total'] / (1 - headroom) / MiB:.1f} MiB, a smaller model or shorter "
-                         f"samples, or more ranks ({more}).")
+                         f"samples, or more ranks ({more}).{unsearched}")
     best, cfg = fits[0], fits[0].config
     dp = data_parallel_ranks(cfg, world_size)
     per_rank = global_batch // dp
@@ -347,6 +361,8 @@ def plan(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, mem
                    f"at {host_bandwidth / 1e9:.0f} GB/s)" + ("; on a CPU machine that is chapter 10's simulation: "
                                                             "the host is the same memory, nothing is saved"
                                                             if device.type == "cpu" else "") + ".")
+    if unsearched:
+        why.append(unsearched.strip())
     if len(fits) > 1:
         why.append(f"Runner-up: {fits[1].config.describe()}, {fits[1].samples_per_s:.0f} samples/s.")
     if "bf16" in meas.time and "fp32" in meas.time:
