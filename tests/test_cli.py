@@ -100,7 +100,10 @@ def test_summary_and_durations():
             {"notebook": "04_normalization.ipynb", "seconds": 190.0, "cpu_seconds": 320.0, "error": "boom"}]
     text = runner.summary(runs, "cpu")
     lines = text.splitlines()
-    assert lines[0] == "[course] 2 notebook(s) at profile cpu in 3 min 20 s (5 min 28 s of CPU time), 1 FAILED:"
+    cpu = env.cpu_speed()
+    assert lines[0] == (f"[course] 2 notebook(s) at profile cpu in 3 min 20 s (5 min 28 s of CPU time) on a "
+                        f"{cpu.capability} CPU (bf16 {'emulated' if cpu.bf16_is_slow else 'native'}, "
+                        f"{cpu.bf16_over_fp32:.2g}x fp32's matmul time), 1 FAILED:")
     assert lines[1].split() == ["[course]", "notebook", "time", "CPU", "time", "status"]
     assert lines[2].split()[1:] == ["00_start_here", "10", "s", "8", "s", "ok"]
     # over the 3-minute budget at cpu, and said so; not at smoke, whose budget this is not
