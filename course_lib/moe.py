@@ -17,10 +17,13 @@ first choice before any token's second (GShard), so an overflow drops second
 choices first.
 
 The router alone would favour a few experts (they train faster, so they score
-higher); the auxiliary load-balancing loss ``E * sum_i f_i P_i`` (Switch eq. 4,
-GShard's ``l_aux``) pushes back, where ``f_i`` is the fraction of tokens whose
-first choice is expert ``i`` and ``P_i`` the mean router probability of ``i``.
-It equals 1 when both are uniform.
+higher); the auxiliary load-balancing loss ``E * sum_i f_i P_i`` (Switch eq. 4)
+pushes back, where ``f_i`` is the fraction of tokens whose first choice is
+expert ``i`` and ``P_i`` the mean router probability of ``i``. It equals 1
+when both are uniform. GShard's ``l_aux`` (its Algorithm 1) is the *mean* over
+experts, ``(1/E) sum_i f_i P_i``: the same shape, ``E**2`` times smaller
+(``1/E**2`` when uniform), so a weight alpha tuned for one does not carry over
+to the other. This module computes Switch's.
 """
 
 from __future__ import annotations

@@ -18,8 +18,17 @@ Causal masking makes a plain split unfair: rank ``r``'s queries see the keys
 of ranks ``0..r`` only, so the last rank computes about ``2c - 1`` times what
 the first does. The zigzag layout cuts the sequence into ``2c`` chunks and
 gives rank ``r`` chunks ``r`` and ``2c-1-r``: an early and a late chunk, the
-same work on every rank (Brandon et al. 2023, "Striped Attention"; torch's
-``context_parallel`` does the same by default).
+same work on every rank. This zigzag is ring-flash-attention's, Megatron-LM's
+context parallelism's and Llama 3's (Dubey et al. 2024, section 3.3.2), and
+torch's ``context_parallel`` does the same by default; Striped Attention
+(Brandon et al. 2023) balances differently, dealing tokens round-robin.
+
+Overlap: the forward posts the next hop before computing the block it holds,
+so the transfer can run behind the computation. The backward here does not
+overlap: the ``dK, dV`` that travel are only complete once the block is
+computed, and it sends them with K and V after computing and waits at once
+(sending K, V ahead of the computation and the sums after it would hide the
+K, V part of each hop).
 
 Bytes each rank sends per layer, elements of ``b (T/c) h`` each: the forward
 sends K and V ``c - 1`` times; the backward sends K, V ``c - 1`` times and

@@ -11,10 +11,15 @@ micro-batch's forward and its backward it applies ``p - s - 1`` updates.
   computed by the older ones: a gradient of no function at all (autograd
   refuses: the saved weights were changed in place).
 - **Weight stashing** keeps, for every micro-batch in flight, the weights its
-  forward used, and runs its backward on them; the gradient is then the
-  true gradient at that version, applied to the newest weights. It is
-  ``p - s - 1`` updates stale on stage ``s``, and stage ``s`` keeps ``p - s``
-  versions (one per micro-batch in flight).
+  forward used, and runs its backward on them; *within the stage* the
+  gradient is then the true gradient at that version, applied to the newest
+  weights. It is ``p - s - 1`` updates stale on stage ``s``, and stage ``s``
+  keeps ``p - s`` versions (one per micro-batch in flight). Across stages it
+  is not one model's gradient: the incoming ``dY`` was computed downstream at
+  those stages' own versions for the micro-batch (one more update per stage
+  further down). PipeDream's optional vertical sync, which makes every stage
+  use one version per micro-batch, is left out here, as in the paper's main
+  results.
 
 ``versions`` reads the weight versions off a schedule; ``WeightStash`` is what
 one rank keeps (``pipeline_exec.run_stage`` calls it); the worker
