@@ -22,7 +22,8 @@ from course_lib.planner.measure import (BatchFn, Layers, LmHead, Measurements, c
                                         tp_sizes, transformer_layers)
 from course_lib.planner.predict import (DEFAULT_BANDWIDTH, DEFAULT_HOST_BANDWIDTH, DEFAULT_TP_BANDWIDTH,
                                         FORWARD_SHARE, block_saves, comm_bytes, offload_bytes, pipeline_terms,
-                                        predict_peak, predict_step_time, tp_comm_bytes, tp_shares)
+                                        predict_peak, predict_step_time, step_time_parts, tp_comm_bytes,
+                                        tp_shares)
 from course_lib.planner.search import (DEFAULT_HEADROOM, MIN_CHUNK_TOKENS, TIMING_MAX_MICRO, Candidate, MiB, Plan,
                                        cp_sizes, data_parallel_ranks, layout, plan, segment_options)
 from course_lib.planner.experts import ExpertLayout, plan_experts, predict_experts
@@ -36,7 +37,8 @@ __all__ = [
     "BatchFn", "Layers", "LmHead", "Measurements", "calibrate", "default_batch", "lm_head", "tp_sizes",
     "transformer_layers",
     "DEFAULT_BANDWIDTH", "DEFAULT_HOST_BANDWIDTH", "DEFAULT_TP_BANDWIDTH", "FORWARD_SHARE", "block_saves",
-    "comm_bytes", "offload_bytes", "pipeline_terms", "predict_peak", "predict_step_time", "tp_comm_bytes", "tp_shares",
+    "comm_bytes", "offload_bytes", "pipeline_terms", "predict_peak", "predict_step_time", "step_time_parts",
+    "tp_comm_bytes", "tp_shares",
     "DEFAULT_HEADROOM", "MIN_CHUNK_TOKENS", "TIMING_MAX_MICRO", "Candidate", "MiB", "Plan", "plan",
     "segment_options", "cp_sizes", "data_parallel_ranks", "layout",
     "ExpertLayout", "plan_experts", "predict_experts", "cp_comm_bytes", "cp_in_flight_bytes",

@@ -233,23 +233,15 @@ def offload_bytes(meas: Measurements, config: Config) -> float:
     return config.accumulation_steps * offload.offload_traffic_bytes(meas.n_blocks, per_block)
 
 
-def predict_step_time(meas: Measurements, config: Config, world_size: int = 1,
-                      bandwidth: float = DEFAULT_BANDWIDTH, tp_bandwidth: float = DEFAULT_TP_BANDWIDTH,
-                      host_bandwidth: float = DEFAULT_HOST_BANDWIDTH) -> float:
-    """Predicted seconds of one optimizer step: good for ranking configurations, rough in absolute terms.
+def step_time_parts(meas: Measurements, config: Config, world_size: int = 1,
+                    bandwidth: float = DEFAULT_BANDWIDTH, tp_bandwidth: float = DEFAULT_TP_BANDWIDTH,
+                    host_bandwidth: float = DEFAULT_HOST_BANDWIDTH) -> tuple[float, float]:
+    """Seconds of one optimizer step without a pipeline, in two parts: ``(per micro-batch, once per step)``.
 
-    ``bandwidth``: bytes per second of data parallelism's collectives; ``tp_bandwidth``: of tensor parallelism's;
-    ``host_bandwidth``: of offloading's copies. A chunked loss runs the head's matmul once more (chapter 10). A
-    pipeline (``pp > 1``) divides the work by ``p`` and the time by ``1 - bubble`` (``pipeline_terms``), and
-    adds its point-to-point messages at ``tp_bandwidth`` (its stages sit in one node).
+    Per micro-batch: the forward and backward compute, recomputation, tensor and context parallelism's messages,
+    offloading's copies, all of which a pipeline's bubble stalls. Once per step, after the last micro-batch: the
+    optimizer's update and data parallelism's gradient traffic, which a pipeline's flush does not stall.
     """
-    if config.pp > 1:  # each stage runs 1/p of the work, idles the bubble, and passes boundaries on
-        terms = pipeline_terms(config, meas.n_blocks)
-        whole = predict_step_time(meas, dataclasses.replace(config, pp=1, virtual_stages=1), world_size // config.pp,
-                                  bandwidth, tp_bandwidth, host_bandwidth)
-        boundary = block_saves(meas, config)[2] * config.micro_batch  # a block's output (this rank's shard)
-        p2p = terms["crossings"] / config.pp * config.accumulation_steps * boundary  # per rank, at intra-node speed
-        return whole / config.pp / (1 - terms["bubble"]) + p2p / tp_bandwidth
     alpha, beta = _measured(meas, "time", config)
     dp, share, _ = tp_shares(meas, config, world_size)
     # a TP rank runs 1/t of the blocks' FLOPs and all the rest (embedding, head, loss)
@@ -261,7 +253,30 @@ def predict_step_time(meas: Measurements, config: Config, world_size: int = 1,
     head = FORWARD_SHARE * meas.head_flop_share / work if config.loss_chunks > 1 else 0.0  # one more forward
     compute = (config.accumulation_steps * (alpha + beta * config.micro_batch * work / config.cp)
                * (1 + recompute + head))  # a context-parallel rank runs 1/c of every sequence
+    per_micro = (compute + (tp_comm_bytes(meas, config) + cp_comm_bytes(meas, config)) / tp_bandwidth
+                 + offload_bytes(meas, config) / host_bandwidth)
     update = meas.optimizer_s * share / (dp if config.zero_stage >= 1 else 1)
-    return (compute + update + comm_bytes(meas.param_bytes * share, config, dp) / bandwidth
-            + (tp_comm_bytes(meas, config) + cp_comm_bytes(meas, config)) / tp_bandwidth
-            + offload_bytes(meas, config) / host_bandwidth)
+    return per_micro, update + comm_bytes(meas.param_bytes * share, config, dp) / bandwidth
+
+
+def predict_step_time(meas: Measurements, config: Config, world_size: int = 1,
+                      bandwidth: float = DEFAULT_BANDWIDTH, tp_bandwidth: float = DEFAULT_TP_BANDWIDTH,
+                      host_bandwidth: float = DEFAULT_HOST_BANDWIDTH) -> float:
+    """Predicted seconds of one optimizer step: good for ranking configurations, rough in absolute terms.
+
+    ``bandwidth``: bytes per second of data parallelism's collectives; ``tp_bandwidth``: of tensor parallelism's;
+    ``host_bandwidth``: of offloading's copies. A chunked loss runs the head's matmul once more (chapter 10). A
+    pipeline (``pp > 1``) divides the work by ``p``; only the per-micro-batch part stalls in the bubble, so it
+    alone is divided by ``1 - bubble`` (``pipeline_terms``): the update and the gradients' traffic come once, after
+    the flush, for the stage's ``1/p`` of the model. It adds the point-to-point messages at ``tp_bandwidth`` (its
+    stages sit in one node).
+    """
+    if config.pp == 1:
+        return sum(step_time_parts(meas, config, world_size, bandwidth, tp_bandwidth, host_bandwidth))
+    # each stage runs 1/p of the work, idles the bubble, and passes boundaries on
+    terms = pipeline_terms(config, meas.n_blocks)
+    per_micro, per_step = step_time_parts(meas, dataclasses.replace(config, pp=1, virtual_stages=1),
+                                          world_size // config.pp, bandwidth, tp_bandwidth, host_bandwidth)
+    boundary = block_saves(meas, config)[2] * config.micro_batch  # a block's output (this rank's shard)
+    p2p = terms["crossings"] / config.pp * config.accumulation_steps * boundary  # per rank, at intra-node speed
+    return per_micro / config.pp / (1 - terms["bubble"]) + per_step / config.pp + p2p / tp_bandwidth
