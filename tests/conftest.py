@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -28,8 +29,16 @@ _cache: dict[str, dict] = {}
 # The others must not share the machine with it: they wait until the background run is done (ZeRO-2's saving in
 # 08 fell to 0.59 of its formula once, with chapter 12's ranks running beside it).
 PREFETCH = ("00", "01", "02", "03", "04", "05", "10", "09", "11", "12")
+# When the whole suite runs (plain `pytest`, as `make test` does), these test files run in the same background
+# process once its notebooks are done, in a pytest of their own, so that its core is not idle while this one works
+# through the unit tests; their results are printed and counted at the end of this session. Their tests start one
+# process at a time and time only themselves. The notebooks that need the machine alone (06-08) run last, after it.
+SIDE = ("test_grading_adversarial.py", "test_launch.py")
+ALONE = ("test_nb_06.py", "test_nb_07.py", "test_nb_08.py")
+SIDE_OUT = OUT / "side"
 _prefetch: dict[str, Path] = {}
 _prefetcher: subprocess.Popen | None = None
+_side: list[str] = []
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -39,13 +48,31 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(f"COURSE_TEST_PROFILE={PROFILE}: {exc}") from None
 
 
+def _background_allowed() -> bool:
+    return os.environ.get("COURSE_TEST_PREFETCH", "1") != "0"
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
+    """On a whole-suite run: hand the SIDE files to the background process, and run the ALONE notebooks last."""
+    whole = (config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.option.keyword
+             and not config.option.markexpr and not config.option.exitfirst)
+    if not whole or not _background_allowed():
+        return
+    side = [it for it in items if it.path.name in SIDE]
+    if side:
+        _side[:] = sorted({str(it.path.relative_to(ROOT)) for it in side})
+        config.hook.pytest_deselected(items=side)
+    rest = [it for it in items if it.path.name not in SIDE]
+    items[:] = [it for it in rest if it.path.name not in ALONE] + [it for it in rest if it.path.name in ALONE]
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start executing, in the background, the single-process notebooks that the selected tests need."""
     global _prefetcher
     modules = {getattr(getattr(item, "module", None), "__name__", "") for item in session.items}
     wanted = sorted(m.removeprefix("test_nb_") for m in modules if m.startswith("test_nb_"))
     chosen = [p for p in wanted if p in PREFETCH]
-    if not chosen or os.environ.get("COURSE_TEST_PREFETCH", "1") == "0":
+    if not (chosen or _side) or not _background_allowed():
         return
     folder = OUT / "prefetch"
     folder.mkdir(parents=True, exist_ok=True)
@@ -60,13 +87,32 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             "    part = Path(sys.argv[2], 'prefetch', p + '.part')\n"
             "    part.write_text(json.dumps(r))\n"
             "    part.replace(part.with_suffix('.json'))  # whole, or not there\n")
+    if _side:  # then the SIDE test files, in a pytest of their own; its output and exit status are read at the end
+        SIDE_OUT.mkdir(parents=True, exist_ok=True)
+        (SIDE_OUT / "rc").unlink(missing_ok=True)
+        side = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfE", "--durations=10",
+                f"--basetemp={SIDE_OUT / 'tmp'}", *_side]
+        code += ("import subprocess\n"
+                 f"with open({str(SIDE_OUT / 'log.txt')!r}, 'w') as log:\n"
+                 f"    rc = subprocess.run({side!r}, cwd={str(ROOT)!r}, stdout=log, stderr=subprocess.STDOUT,\n"
+                 "                        env={**os.environ, 'COURSE_TEST_PREFETCH': '0'}).returncode\n"
+                 f"Path({str(SIDE_OUT / 'rc')!r}).write_text(str(rc))\n")
+    # a session of its own, so that an early stop can end the side pytest and its workers with it
     _prefetcher = subprocess.Popen([sys.executable, "-c", code, PROFILE, str(OUT), *chosen], cwd=ROOT,
-                                   stdout=subprocess.DEVNULL, stderr=open(folder / "log.txt", "w"))
+                                   stdout=subprocess.DEVNULL, stderr=open(folder / "log.txt", "w"),
+                                   start_new_session=True)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    if _prefetcher is not None and _prefetcher.poll() is None:  # tests stopped early (-x, Ctrl-C)
-        _prefetcher.kill()
+    if _prefetcher is None:
+        return
+    if _side and session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED) and not session.shouldstop:
+        _background_done()  # the side tests are part of this run: wait for them, and count their result
+        rc = (SIDE_OUT / "rc").read_text() if (SIDE_OUT / "rc").exists() else "missing (the background run died)"
+        if rc != "0" and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if _prefetcher.poll() is None:  # tests stopped early (-x, Ctrl-C)
+        os.killpg(_prefetcher.pid, signal.SIGKILL)
         _prefetcher.wait()
 
 
@@ -94,7 +140,15 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    """Each notebook the session executed, with its time: what `COURSE_TEST_PROFILE=cpu make test` cost."""
+    """The side tests' result, and each notebook the session executed with its time."""
+    if _side:
+        log = SIDE_OUT / "log.txt"
+        rc = (SIDE_OUT / "rc").read_text() if (SIDE_OUT / "rc").exists() else "missing"
+        terminalreporter.write_sep("-", f"{', '.join(_side)}: run in the background process, exit status {rc}")
+        lines = log.read_text().splitlines() if log.exists() else ["(no output: the background run did not get there)"]
+        # all of it when something failed, else its summary and slowest tests
+        for line in lines if rc != "0" else lines[-16:]:
+            terminalreporter.write_line(line)
     if _cache:
         terminalreporter.write_sep("-", f"notebooks executed at profile {PROFILE}")
         terminalreporter.write_line(runner.summary([_cache[k] for k in sorted(_cache)], PROFILE))
