@@ -55,7 +55,7 @@ def _background_allowed() -> bool:
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
     """On a whole-suite run: hand the SIDE files to the background process, and run the ALONE notebooks last."""
     whole = (config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.option.keyword
-             and not config.option.markexpr and not config.option.exitfirst)
+             and not config.option.markexpr and not config.getoption("maxfail"))
     if not whole or not _background_allowed():
         return
     side = [it for it in items if it.path.name in SIDE]
