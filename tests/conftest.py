@@ -62,8 +62,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     if side:
         _side[:] = sorted({str(it.path.relative_to(ROOT)) for it in side})
         config.hook.pytest_deselected(items=side)
-    rest = [it for it in items if it.path.name not in SIDE]
-    items[:] = [it for it in rest if it.path.name not in ALONE] + [it for it in rest if it.path.name in ALONE]
+    items[:] = sorted((it for it in items if it.path.name not in SIDE), key=lambda it: it.path.name in ALONE)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -103,13 +102,18 @@ def pytest_collection_finish(session: pytest.Session) -> None:
                                    start_new_session=True)
 
 
+def _side_rc() -> str:
+    """The side pytest's exit status as it wrote it, or 'missing' if it never finished."""
+    rc = SIDE_OUT / "rc"
+    return rc.read_text() if rc.exists() else "missing (the background run did not finish)"
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     if _prefetcher is None:
         return
     if _side and session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED) and not session.shouldstop:
         _background_done()  # the side tests are part of this run: wait for them, and count their result
-        rc = (SIDE_OUT / "rc").read_text() if (SIDE_OUT / "rc").exists() else "missing (the background run died)"
-        if rc != "0" and session.exitstatus == pytest.ExitCode.OK:
+        if _side_rc() != "0" and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
     if _prefetcher.poll() is None:  # tests stopped early (-x, Ctrl-C)
         os.killpg(_prefetcher.pid, signal.SIGKILL)
@@ -143,7 +147,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
     """The side tests' result, and each notebook the session executed with its time."""
     if _side:
         log = SIDE_OUT / "log.txt"
-        rc = (SIDE_OUT / "rc").read_text() if (SIDE_OUT / "rc").exists() else "missing"
+        rc = _side_rc()
         terminalreporter.write_sep("-", f"{', '.join(_side)}: run in the background process, exit status {rc}")
         lines = log.read_text().splitlines() if log.exists() else ["(no output: the background run did not get there)"]
         # all of it when something failed, else its summary and slowest tests
