@@ -129,37 +129,44 @@ def test_bytes_formula() -> None:
 
 @dataclasses.dataclass
 class _ThreadRing(cp.Ring):
-    """A rank of a ring whose ranks are threads of this process: each hop goes through the right one's queue."""
+    """A rank of a ring whose ranks are threads of this process: each hop goes through the right one's queue for
+    its tag (a K, V and a dK, dV message may be in flight at once); ``log`` gets (rank, "post" or "wait", op)."""
 
-    boxes: list[queue.Queue] = dataclasses.field(default_factory=list)
+    boxes: list[dict[int, queue.Queue]] = dataclasses.field(default_factory=list)
+    log: list[tuple[int, str, str]] | None = None
 
-    def pass_on(self, tensors, op):
+    def pass_on(self, tensors, op, tag=0):
         self.counter.add(op, sum(cp.nbytes(t) for t in tensors))
-        self.boxes[(self.rank + 1) % self.world].put([t.clone() for t in tensors])
+        self.boxes[(self.rank + 1) % self.world][tag].put([t.clone() for t in tensors])
         bufs = [torch.empty_like(t) for t in tensors]
-        box = self.boxes[self.rank]
+        box, ring = self.boxes[self.rank][tag], self
+        if self.log is not None:
+            self.log.append((self.rank, "post", op))
 
         class Hop:
             def wait(self) -> None:
                 for buf, t in zip(bufs, box.get(timeout=60)):
                     buf.copy_(t)
+                if ring.log is not None:
+                    ring.log.append((ring.rank, "wait", op))
         return Hop(), bufs
 
 
-def _ring_in_threads(q, k, v, grad, c: int, layout: str = "zigzag"):
+def _ring_in_threads(q, k, v, grad, c: int, layout: str = "zigzag", log: list | None = None, timed: bool = False):
     """Ring attention over ``c`` thread ranks (the real forward and backward): output, dq, dk, dv and the rings."""
-    boxes, results, errors = [queue.Queue() for _ in range(c)], [None] * c, []
+    boxes = [{cp.KV_TAG: queue.Queue(), cp.DKV_TAG: queue.Queue()} for _ in range(c)]
+    results, errors = [None] * c, []
 
     def rank(r: int) -> None:
         try:
-            ring = _ThreadRing(q.shape[-2], layout, c, r, boxes=boxes)
+            ring = _ThreadRing(q.shape[-2], layout, c, r, timed=timed, boxes=boxes, log=log)
             mine = [cp.shard(t, c, r, layout, dim=2).clone().requires_grad_() for t in (q, k, v)]
             out = cp.ring_attention(*mine, ring)
             out.backward(cp.shard(grad, c, r, layout, dim=2))
             results[r] = (out.detach(), *(t.grad for t in mine), ring)
         except BaseException as exc:  # noqa: BLE001 - raised again below, in the test's thread
             errors.append(exc)
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(c)]
+    threads = [threading.Thread(target=rank, args=(r,), name=f"rank {r}") for r in range(c)]
     for t in threads:
         t.start()
     for t in threads:
@@ -196,22 +203,123 @@ def test_bf16_ring_is_as_close_to_float64_as_torchs_own_bf16_attention(seed: int
     assert all(t.dtype == torch.bfloat16 for t in got)
     for name, err in errors.items():
         assert err <= 1.5 * yardstick[name], f"{name}: ring {err:.2e}, torch's bf16 attention {yardstick[name]:.2e}"
-    sent = rings[0].counter.by_op
-    assert sent["ring_kv_grad"] == pytest.approx(cp.ring_bytes_per_layer(64, 2, 32, 4, act_bytes=2)["backward"])
-    assert sent["ring_kv"] == pytest.approx(cp.ring_bytes_per_layer(64, 2, 32, 4, act_bytes=2)["forward"])
+    assert cp.sent_per_pass(rings[0].counter) == pytest.approx(cp.ring_bytes_per_layer(64, 2, 32, 4, act_bytes=2))
 
 
-def test_ring_in_threads_equals_one_process_in_float64() -> None:
+@pytest.mark.parametrize("c", [2, 4])
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-14), (torch.float32, 2e-6)])
+def test_ring_in_threads_equals_one_process(c: int, dtype: torch.dtype, tol: float) -> None:
+    # the sliced tiles, both directions, relative errors: float64 to its rounding (measured 2e-16 to 6e-16); float32
+    # measured 1e-7 to 3e-7, as close as torch's own float32 attention on the same inputs (1e-7 to 4e-7)
     g = torch.Generator().manual_seed(3)
     q, k, v, grad = (torch.randn(1, 2, 16, 4, generator=g, dtype=torch.float64) for _ in range(4))
     exact = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = _reference(*exact)
     ref.backward(grad)
+    want = [ref.detach(), *(t.grad for t in exact)]
     for layout in cp.LAYOUTS:
-        got, rings = _ring_in_threads(q, k, v, grad, 4, layout)
-        for a, b in zip(got, [ref.detach(), *(t.grad for t in exact)]):
-            assert torch.allclose(a, b, atol=1e-14, rtol=0)
-        assert [r.pairs[0] for r in rings] == cp.causal_pairs(16, 4, layout)
+        got, rings = _ring_in_threads(*(t.to(dtype) for t in (q, k, v, grad)), c, layout)
+        assert all(t.dtype == dtype for t in got)
+        for name, err in _relative_errors(got, want).items():
+            assert err < tol, (layout, name, err)
+        assert [r.pairs[0] for r in rings] == cp.causal_pairs(16, c, layout)
+        assert [r.scores[0] for r in rings] == cp.tile_scores(16, c, layout)
+
+
+@pytest.mark.parametrize("c", [2, 4])
+def test_zigzag_tiles_hold_every_visible_pair(c: int) -> None:
+    T = 8 * c
+    n, m = T // c, T // (2 * c)
+    for i in range(c):
+        for j in range(c):
+            q_pos, k_pos = cp.position_list(T, c, i), cp.position_list(T, c, j)
+            tile = cp.Tile.of(q_pos, k_pos, "cpu")
+            mask = cp._visible(torch.tensor(q_pos), torch.tensor(k_pos))
+            if j < i:  # all the queries, the first chunk of keys
+                assert (tile.rows, tile.cols) == (slice(0, n), slice(0, m))
+            elif j > i:  # the second chunk of queries, all the keys
+                assert (tile.rows, tile.cols) == (slice(m, n), slice(0, n))
+            else:  # the own block, whole
+                assert (tile.rows, tile.cols) == (slice(0, n), slice(0, n)) and torch.equal(tile.visible, mask)
+            assert tile.pairs == int(mask.sum()) == int(mask[tile.rows, tile.cols].sum()), "every visible pair"
+            if j != i:
+                assert tile.visible is None and tile.scores == tile.pairs == n * n // 2, "wholly visible: no mask"
+
+
+def test_work_per_rank_tiles_against_whole_blocks() -> None:
+    for c in (1, 2, 4):
+        T = 8 * c
+        n = T // c
+        tiles, whole = cp.tile_scores(T, c), cp.full_block_scores(T, c)
+        assert tiles == [n * n + (c - 1) * n * n // 2] * c, "own block whole, the others' half"
+        assert whole == [c * n * n] * c
+        assert [t - p for t, p in zip(tiles, cp.causal_pairs(T, c))] == [n * (n - 1) // 2] * c, \
+            "only the own block's masked half is computed in vain"
+        plain = [(r + 1) * n * n for r in range(c)]  # rank r: the blocks of ranks 0..r, whole, no half to cut
+        assert cp.tile_scores(T, c, "plain") == cp.full_block_scores(T, c, "plain") == plain
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-14), (torch.float32, 1e-6)])
+@pytest.mark.parametrize("layout", cp.LAYOUTS)
+def test_a_tile_computes_what_the_masked_whole_block_does(layout: str, dtype: torch.dtype, tol: float) -> None:
+    c, T = 4, 32
+    g = torch.Generator().manual_seed(4)
+    q, k, v, do = (torch.randn(2, 2, T // c, 8, generator=g, dtype=dtype) for _ in range(4))
+    delta = (do * torch.randn(q.shape, generator=g, dtype=dtype)).sum(-1, keepdim=True)
+    for i in range(c):
+        for j in range(c):
+            q_pos, k_pos = cp.position_list(T, c, i, layout), cp.position_list(T, c, j, layout)
+            mask = cp._visible(torch.tensor(q_pos), torch.tensor(k_pos))
+            o_ref, lse_ref = cp.attend(q, k, v, mask)  # the whole block, masked
+            o, lse, _ = cp.block_attention(q, k, v, q_pos, k_pos)
+            assert torch.allclose(o, o_ref, atol=tol, rtol=0) and torch.allclose(lse, lse_ref, atol=tol, rtol=0)
+            final = cp._finite(lse_ref) + 1.0  # any finite L: the terms must agree
+            got = cp.block_attention_backward(q, k, v, do, final, delta, q_pos, k_pos)
+            want = cp.attend_backward(q, k, v, do, final, delta, mask)
+            for a, b in zip(got, want):
+                assert torch.allclose(a, b, atol=tol * 10, rtol=0), (i, j)
+
+
+def test_every_hop_is_posted_before_the_tile_it_travels_behind(monkeypatch) -> None:
+    # forward and backward: between each message's post and its wait this rank computes a tile, except for the
+    # backward's last dK, dV hop (home), which has no tile left
+    log: list[tuple[int, str, str]] = []
+
+    def logged(fn):
+        def run(*args):
+            log.append((int(threading.current_thread().name.split()[-1]), "compute", fn.__name__))
+            return fn(*args)
+        return run
+    monkeypatch.setattr(cp, "attend", logged(cp.attend))
+    monkeypatch.setattr(cp, "attend_backward", logged(cp.attend_backward))
+    c = 4
+    q, k, v, grad = (torch.randn(1, 2, 16, 4, dtype=torch.float64) for _ in range(4))
+    _ring_in_threads(q, k, v, grad, c, log=log)
+    for r in range(c):
+        events = [e[1] for e in log if e[0] == r]
+        ops = [e[2] for e in log if e[0] == r]
+        assert events.count("compute") == 2 * c
+        for op, hops in (("ring_kv", c - 1), ("ring_kv_bwd", c - 1), ("ring_dkv", c)):
+            posts = [x for x, (e, o) in enumerate(zip(events, ops)) if (e, o) == ("post", op)]
+            waits = [x for x, (e, o) in enumerate(zip(events, ops)) if (e, o) == ("wait", op)]
+            assert len(posts) == len(waits) == hops, (op, posts, waits)
+            for hop, (p, w) in enumerate(zip(posts, waits)):
+                behind_a_tile = "compute" in events[p + 1:w]
+                home = op == "ring_dkv" and hop == hops - 1
+                assert behind_a_tile != home, (r, op, hop, events)
+
+
+def test_a_timed_ring_times_every_step() -> None:
+    c = 4
+    q, k, v, grad = (torch.randn(1, 2, 16, 4) for _ in range(4))
+    _, rings = _ring_in_threads(q, k, v, grad, c, timed=True)
+    for ring in rings:
+        for direction in ("forward", "backward"):
+            (times,) = ring.times[direction]
+            assert len(times.compute) == len(times.wait) == c
+            assert all(t > 0 for t in times.compute) and all(t >= 0 for t in times.wait)
+    _, untimed = _ring_in_threads(q, k, v, grad, 2)
+    assert untimed[0].times == {}
 
 
 # ----- 2 and 4 ranks -------------------------------------------------------------------------
@@ -220,7 +328,7 @@ def test_ring_in_threads_equals_one_process_in_float64() -> None:
 @pytest.fixture(scope="module", params=[2, 4])
 def rep(request) -> CPReport:
     out = launch.run("course_lib.workers.cp_compare", request.param,
-                     ["--tasks", "exact,saved,train,api", "--cfg", CFG.to_json(), "--pg-timeout", "120"], timeout=300)
+                     ["--tasks", "exact,saved,train,api,overlap", "--cfg", CFG.to_json(), "--pg-timeout", "120"], timeout=300)
     return CPReport.from_dict(out)
 
 
@@ -241,6 +349,8 @@ def test_work_per_rank(rep: CPReport) -> None:
     assert len(set(zigzag.pairs)) == 1
     assert plain.blocks == list(range(1, c + 1)), "rank r needs the blocks of ranks 0..r only"
     assert zigzag.blocks == [c] * c
+    assert zigzag.scores == [n * n + (c - 1) * n * n // 2] * c, "the tiles: own block whole, the others' half"
+    assert plain.scores == [(r + 1) * n * n for r in range(c)]
 
 
 @pytest.mark.slow
@@ -249,7 +359,7 @@ def test_bytes_per_layer(rep: CPReport) -> None:
     want = cp.ring_bytes_per_layer(CFG.seq_len, CFG.batch, CFG.d_model, c, act_bytes=4)
     for r in rep.layouts:
         assert r.sent_forward == want["forward"] and r.sent_backward == want["backward"]
-        assert r.calls == {"ring_kv": c - 1, "ring_kv_grad": c}
+        assert r.calls == {"ring_kv": c - 1, "ring_kv_bwd": c - 1, "ring_dkv": c}, "K, V and dK, dV apart"
 
 
 @pytest.mark.slow
@@ -268,6 +378,16 @@ def test_training_follows_one_process(rep: CPReport) -> None:
     layer = cp.ring_bytes_per_layer(CFG.seq_len, CFG.batch, CFG.d_model, rep.world, act_bytes=4)
     assert t["sent_per_step"] == CFG.n_layers * (layer["forward"] + layer["backward"])
     assert all(p > 0 for p in t["peak"])
+
+
+@pytest.mark.slow
+def test_hops_are_timed(rep: CPReport) -> None:
+    o, c = rep.overlap, rep.world
+    assert o["hops"] == {"forward": c - 1, "backward_kv": c - 1, "backward_dkv": c}
+    for key in ("forward_compute", "forward_wait", "backward_compute", "backward_wait", "alone_kv", "alone_dkv"):
+        assert len(o[key]) == c and all(len(per_rank) == len(o["forward_compute"][0]) > 0 for per_rank in o[key]), key
+        assert all(t >= 0 for per_rank in o[key] for t in per_rank), key
+    assert all(t > 0 for per_rank in o["forward_compute"] + o["backward_compute"] for t in per_rank)
 
 
 @pytest.mark.slow

@@ -11,8 +11,8 @@ partial result is an output ``o`` (already normalised) and one log-sum-exp
 ``L`` per query row, and two merge as softmax-weighted averages (``merge``).
 The backward pass (FlashAttention's, Dao et al. 2022) rebuilds each block's
 probabilities from ``q``, ``k`` and the final ``L``; the key/value blocks go
-around the ring again, together with the gradient accumulators ``dK, dV``,
-which take one more hop to come home.
+around the ring again, and one message behind each the gradient accumulators
+``dK, dV`` of the block, which take one more hop to come home.
 
 Causal masking makes a plain split unfair: rank ``r``'s queries see the keys
 of ranks ``0..r`` only, so the last rank computes about ``2c - 1`` times what
@@ -23,12 +23,19 @@ context parallelism's and Llama 3's (Dubey et al. 2024, section 3.3.2), and
 torch's ``context_parallel`` does the same by default; Striped Attention
 (Brandon et al. 2023) balances differently, dealing tokens round-robin.
 
-Overlap: the forward posts the next hop before computing the block it holds,
-so the transfer can run behind the computation. The backward here does not
-overlap: the ``dK, dV`` that travel are only complete once the block is
-computed, and it sends them with K and V after computing and waits at once
-(sending K, V ahead of the computation and the sums after it would hide the
-K, V part of each hop).
+Only the visible part of a block is computed (``Tile``), as ring-flash-attention
+does: under the zigzag, rank ``i`` against the block of rank ``j < i`` computes
+all its queries against that block's first chunk of keys, against ``j > i``
+its second chunk of queries against all the keys, both without a mask; only its
+own block (``j = i``) is computed whole, under the causal mask. That is
+``(c+1)/2 (T/c)^2`` scores per rank and head instead of ``c (T/c)^2``
+(``tile_scores``, ``full_block_scores``).
+
+Overlap: each hop is posted before the tile it follows is computed, and waited
+for after, so the transfer can run behind the computation. Forward: K, V.
+Backward: K, V as one message, and the block's ``dK, dV`` sums as another,
+posted once this rank's terms are added and waited for only after the next
+tile; the last ``dK, dV`` hop, home, has no tile left to hide behind.
 
 Bytes each rank sends per layer, elements of ``b (T/c) h`` each: the forward
 sends K and V ``c - 1`` times; the backward sends K, V ``c - 1`` times and
@@ -47,6 +54,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -139,27 +147,51 @@ def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
     return k_pos[None, :] <= q_pos[:, None]  # (queries, keys): causal, by global position
 
 
-@dataclass(frozen=True)
-class CausalBlock:
-    """One query block's causal mask against one key block: ``visible`` on the device, ``pairs`` on the host.
+def _span(qs: list[int], ks: list[int]) -> tuple[int, int, bool]:
+    """Where a block's visible pairs lie: queries ``a:``, keys ``:b``, and whether every pair in there is visible.
 
-    Built from the positions on the host, once (a ring keeps one per hop for
-    every layer and step): counting a mask's pairs on a GPU, or asking whether
-    it has any, would make the host wait for the device at every hop.
+    With both position lists ascending (every layout's are), the queries that see
+    some key are those at or after the first key, a suffix of the list; the keys
+    some query sees are those at or before the last query, a prefix. Unsorted
+    positions keep the whole block, masked.
+    """
+    if qs != sorted(qs) or ks != sorted(ks):
+        return 0, len(ks), False
+    a, b = bisect.bisect_left(qs, ks[0]), bisect.bisect_right(ks, qs[-1])
+    return a, b, a < len(qs) and qs[a] >= ks[b - 1]  # the tile's first query comes after its last key
+
+
+@dataclass(frozen=True)
+class Tile:
+    """The part of one query block against one key block that holds its visible pairs, and its causal mask.
+
+    Under the zigzag, rank ``i``'s tile against the keys of rank ``j`` is: all
+    queries against the first chunk of keys (``j < i``), the second chunk of
+    queries against all keys (``j > i``), both wholly visible (``visible`` is
+    ``None``: no mask); its own block whole, masked (``j = i``). Built from the
+    positions on the host, once (a ring keeps one per hop for every layer and
+    step): counting a mask's pairs on a GPU would make the host wait at every hop.
     """
 
-    visible: torch.Tensor  # (queries, keys) bool
-    pairs: int             # visible query-key pairs, the block's work; 0: the block is skipped
+    rows: slice                    # the queries computed
+    cols: slice                    # the keys computed
+    visible: torch.Tensor | None   # (rows, cols) bool on the device, or None: every pair visible
+    pairs: int                     # visible query-key pairs; 0: nothing to compute
+    scores: int                    # score elements computed, rows x cols (the work, visible or not)
 
     @classmethod
-    def of(cls, q_pos: Positions, k_pos: Positions, device: torch.device | str) -> "CausalBlock":
-        """The block of queries at ``q_pos`` and keys at ``k_pos``; the pairs counted in Python, the mask made on
-        ``device`` from the positions (a copy of two index lists, no wait for the device)."""
+    def of(cls, q_pos: Positions, k_pos: Positions, device: torch.device | str) -> "Tile":
+        """The tile of queries at ``q_pos`` against keys at ``k_pos``; pairs counted in Python, the mask (where one
+        is needed) made on ``device`` from the positions (a copy of two index lists, no wait for the device)."""
         # tensors are read on the host: positions live there (``positions``); a ring passes lists
         qs, ks = (pos.tolist() if torch.is_tensor(pos) else [int(p) for p in pos] for pos in (q_pos, k_pos))
         ordered = sorted(ks)
         pairs = sum(bisect.bisect_right(ordered, q) for q in qs)  # keys at or before each query
-        return cls(_visible(torch.tensor(qs, device=device), torch.tensor(ks, device=device)), pairs)
+        a, b, whole = _span(qs, ks)
+        mask = None
+        if pairs and not whole:
+            mask = _visible(torch.tensor(qs[a:], device=device), torch.tensor(ks[:b], device=device))
+        return cls(slice(a, len(qs)), slice(0, b), mask, pairs, (len(qs) - a) * b if pairs else 0)
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -167,23 +199,37 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: CausalBlock
-           ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``block_attention`` with the mask built already; ``o`` and ``L`` in the accumulation dtype.
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one tile's queries over its keys: ``(o, L)`` in the accumulation dtype; ``visible=None``: no mask.
 
-    A bf16 block is computed in float32, its products too: scores rounded to bf16
+    A bf16 tile is computed in float32, its products too: scores rounded to bf16
     would be off by up to ``2^-9 |s|`` before the exponential. The cost: float32
-    matrix products (slower than bf16's on a GPU) and float32 copies of the block.
+    matrix products (slower than bf16's on a GPU) and float32 copies of the tile.
     """
     acc = accumulation_dtype(q.dtype)
-    if block.pairs == 0:
-        return (torch.zeros(q.shape, dtype=acc, device=q.device),
-                torch.full((*q.shape[:-1], 1), -math.inf, dtype=acc, device=q.device), 0)
     q, k, v = (t.to(acc) for t in (q, k, v))
     s = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
-    s = s.masked_fill(~block.visible, -math.inf)
+    if visible is not None:
+        s = s.masked_fill(~visible, -math.inf)
     lse = torch.logsumexp(s, dim=-1, keepdim=True)
-    return torch.exp(s - _finite(lse)) @ v, lse, block.pairs
+    return torch.exp(s - _finite(lse)) @ v, lse
+
+
+def attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
+                    delta: torch.Tensor, visible: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One tile's terms of ``dq, dk, dv`` (its rows, its keys), in the accumulation dtype; see
+    ``block_attention_backward`` for the formulas."""
+    acc = accumulation_dtype(q.dtype)
+    q, k, v, do = (t.to(acc) for t in (q, k, v, do))
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    s = (q @ k.transpose(-2, -1)) * scale
+    if visible is not None:
+        s = s.masked_fill(~visible, -math.inf)
+    p = torch.exp(s - _finite(lse))
+    ds = p * (do @ v.transpose(-2, -1) - delta)
+    return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, p.transpose(-2, -1) @ do
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: Positions, k_pos: Positions
@@ -191,24 +237,18 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: Po
     """Causal attention of queries (``.., n_q, d``) at ``q_pos`` over keys at ``k_pos``: ``(o, L, pairs)``.
 
     ``o`` normalised over these keys only, ``L`` the row's log-sum-exp (``-inf``
-    where no key is visible), ``pairs`` the visible query-key pairs (the work).
-    A block no query can see is skipped, as tiled kernels skip masked tiles.
+    where no key is visible), ``pairs`` the visible query-key pairs. Only the
+    block's ``Tile`` is computed: a block no query can see costs nothing, and
+    the rows outside the tile get ``o = 0``, ``L = -inf``.
     """
-    return attend(q, k, v, CausalBlock.of(q_pos, k_pos, q.device))
-
-
-def attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
-                    delta: torch.Tensor, block: CausalBlock) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``block_attention_backward`` with the mask built already; the terms in the accumulation dtype."""
+    tile = Tile.of(q_pos, k_pos, q.device)
     acc = accumulation_dtype(q.dtype)
-    if block.pairs == 0:
-        return tuple(torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
-    q, k, v, do = (t.to(acc) for t in (q, k, v, do))
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    s = ((q @ k.transpose(-2, -1)) * scale).masked_fill(~block.visible, -math.inf)
-    p = torch.exp(s - _finite(lse))
-    ds = p * (do @ v.transpose(-2, -1) - delta)
-    return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, p.transpose(-2, -1) @ do
+    o = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.full((*q.shape[:-1], 1), -math.inf, dtype=acc, device=q.device)
+    if tile.pairs:
+        rows, cols = tile.rows, tile.cols
+        o[..., rows, :], lse[..., rows, :] = attend(q[..., rows, :], k[..., cols, :], v[..., cols, :], tile.visible)
+    return o, lse, tile.pairs
 
 
 def block_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
@@ -217,9 +257,66 @@ def block_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     """This block's terms of ``dq, dk, dv``, given the *final* ``L`` and ``delta = rowsum(dO * O)``.
 
     With ``P = exp(S - L)`` the block's share of the full softmax:
-    ``dV = P^T dO``, ``dS = P * (dO V^T - delta)``, ``dQ = dS K / sqrt(d)``, ``dK = dS^T Q / sqrt(d)``.
+    ``dV = P^T dO``, ``dS = P * (dO V^T - delta)``, ``dQ = dS K / sqrt(d)``, ``dK = dS^T Q / sqrt(d)``;
+    computed on the block's ``Tile`` only, zero elsewhere.
     """
-    return attend_backward(q, k, v, do, lse, delta, CausalBlock.of(q_pos, k_pos, q.device))
+    tile = Tile.of(q_pos, k_pos, q.device)
+    acc = accumulation_dtype(q.dtype)
+    dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
+    if tile.pairs:
+        rows, cols = tile.rows, tile.cols
+        dq[..., rows, :], dk[..., cols, :], dv[..., cols, :] = attend_backward(
+            q[..., rows, :], k[..., cols, :], v[..., cols, :], do[..., rows, :], lse[..., rows, :],
+            delta[..., rows, :], tile.visible)
+    return dq, dk, dv
+
+
+def tile_scores(T: int, c: int, layout: str = "zigzag") -> list[int]:
+    """Score elements each rank's forward computes per sequence and head, tiles only: under the zigzag
+    ``n^2 + (c-1) n^2/2`` (own block whole, the others' half), ``n = T/c``."""
+    return [sum(Tile.of(position_list(T, c, r, layout), position_list(T, c, j, layout), "cpu").scores
+                for j in range(c)) for r in range(c)]
+
+
+def full_block_scores(T: int, c: int, layout: str = "zigzag") -> list[int]:
+    """The same count for whole ``n x n`` blocks, masked, every block with a visible pair computed: ``c n^2`` per
+    rank under the zigzag (what a kernel that masks but never slices computes)."""
+    n = T // c
+    return [n * n * sum(Tile.of(position_list(T, c, r, layout), position_list(T, c, j, layout), "cpu").pairs > 0
+                        for j in range(c)) for r in range(c)]
+
+
+@dataclass
+class HopTimes:
+    """Seconds per ring step of one pass: computing the step's tile, and waiting for its messages afterwards
+    (the part of the transfer the computation did not hide)."""
+
+    compute: list[float] = field(default_factory=list)
+    wait: list[float] = field(default_factory=list)
+
+
+class _Timer:
+    """Adds laps of the host clock to a ``HopTimes``; does nothing without one (an untimed ring)."""
+
+    def __init__(self, times: HopTimes | None, device: torch.device) -> None:
+        self.times, self.device, self.t = times, device, 0.0
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":  # the device's queued work done: a sync, paid only when timing
+            torch.cuda.current_stream(self.device).synchronize()
+        return time.perf_counter()
+
+    def step(self) -> None:
+        if self.times is not None:
+            self.times.compute.append(0.0)
+            self.times.wait.append(0.0)
+            self.t = self._now()
+
+    def lap(self, kind: str) -> None:  # "compute" or "wait": the time since the last lap goes there
+        if self.times is not None:
+            t = self._now()
+            getattr(self.times, kind)[-1] += t - self.t
+            self.t = t
 
 
 @dataclass
@@ -227,10 +324,12 @@ class Ring:
     """The ring one rank is in: ``world`` ranks of ``group`` laid out as ``layout`` over ``T`` positions.
 
     ``counter`` counts the bytes this rank sends (``ring_kv`` forward,
-    ``ring_kv_grad`` backward); ``pairs`` collects the query-key pairs each
-    forward computed (the causal work). ``Ring.of(T)`` joins the default group;
+    ``ring_kv_bwd`` and ``ring_dkv`` backward); ``pairs`` and ``scores`` collect
+    the visible query-key pairs and the score elements each forward computed.
+    ``timed``: each pass's ``HopTimes`` go to ``times[direction]`` (on a GPU at
+    the cost of a sync per step). ``Ring.of(T)`` joins the default group;
     ``Ring(T, world=1)`` is one process, for references. The ring keeps each
-    hop's ``CausalBlock`` once built: ``c`` masks of ``(T/c)^2`` bytes on the device.
+    hop's ``Tile`` once built: one mask of ``(T/c)^2`` bytes on the device, its own block's.
     """
 
     T: int
@@ -240,7 +339,10 @@ class Ring:
     group: dist.ProcessGroup | None = None
     counter: ByteCounter = field(default_factory=ByteCounter)
     pairs: list[int] = field(default_factory=list)
-    _blocks: dict[tuple[int, torch.device], CausalBlock] = field(default_factory=dict, repr=False, compare=False)
+    scores: list[int] = field(default_factory=list)
+    timed: bool = False
+    times: dict[str, list[HopTimes]] = field(default_factory=dict)
+    _tiles: dict[tuple[int, torch.device], Tile] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_layout(self.T, self.world, self.layout)
@@ -255,26 +357,45 @@ class Ring:
     def position_list(self, rank: int | None = None) -> list[int]:
         return position_list(self.T, self.world, (self.rank if rank is None else rank) % self.world, self.layout)
 
-    def block(self, source: int, device: torch.device) -> CausalBlock:
+    def tile(self, source: int, device: torch.device) -> Tile:
         """This rank's queries against the keys of rank ``source``, on ``device``: built on the first hop only."""
         key = (source % self.world, torch.device(device))
-        if key not in self._blocks:
-            self._blocks[key] = CausalBlock.of(self.position_list(), self.position_list(source), device)
-        return self._blocks[key]
+        if key not in self._tiles:
+            self._tiles[key] = Tile.of(self.position_list(), self.position_list(source), device)
+        return self._tiles[key]
+
+    def timer(self, direction: str, device: torch.device) -> _Timer:
+        """A timer of one pass (``forward``, ``backward``): a no-op unless the ring is ``timed``."""
+        times = None
+        if self.timed:
+            times = HopTimes()
+            self.times.setdefault(direction, []).append(times)
+        return _Timer(times, torch.device(device))
 
     def _peer(self, r: int) -> int:
         r %= self.world
         return r if self.group is None else dist.get_global_rank(self.group, r)
 
-    def pass_on(self, tensors: list[torch.Tensor], op: str) -> tuple[Exchange, list[torch.Tensor]]:
+    def pass_on(self, tensors: list[torch.Tensor], op: str, tag: int = 0) -> tuple[Exchange, list[torch.Tensor]]:
         """Post: send ``tensors`` to the right neighbour, receive the left's; return (the exchange, the buffers).
 
         One hop, counted once (all its bytes), however many tensors it carries.
+        ``tag`` tells apart two kinds of message in flight between the same ranks.
         """
         bufs = [torch.empty_like(t) for t in tensors]
         self.counter.add(op, sum(nbytes(t) for t in tensors))
         right, left = self._peer(self.rank + 1), self._peer(self.rank - 1)
-        return exchange([Message(t, right) for t in tensors], [Message(b, left) for b in bufs], self.group), bufs
+        return (exchange([Message(t, right, tag) for t in tensors], [Message(b, left, tag) for b in bufs], self.group),
+                bufs)
+
+
+KV_TAG, DKV_TAG = 0, 1  # the backward has a K, V and a dK, dV message in flight at once
+PASS_OPS = {"forward": ("ring_kv",), "backward": ("ring_kv_bwd", "ring_dkv")}  # the counter's names, per pass
+
+
+def sent_per_pass(counter: ByteCounter) -> dict[str, float]:
+    """The bytes a ring's ``counter`` counted, forward and backward (``ring_bytes_per_layer``'s two keys)."""
+    return {name: sum(counter.by_op.get(op, 0.0) for op in ops) for name, ops in PASS_OPS.items()}
 
 
 class _RingAttention(torch.autograd.Function):
@@ -282,20 +403,30 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:
+        acc = accumulation_dtype(q.dtype)
+        o = torch.zeros(q.shape, dtype=acc, device=q.device)  # no key seen yet: o = 0, L = -inf
+        lse = torch.full((*q.shape[:-1], 1), -math.inf, dtype=acc, device=q.device)
         kv = torch.stack([k, v])  # one message per hop
-        o = lse = None
-        pairs = 0
+        timer = ring.timer("forward", q.device)
+        pairs = scores = 0
         for step in range(ring.world):
+            timer.step()
             pending = None
             if step < ring.world - 1:  # post the next block's transfer first: it travels while this one computes
-                pending, (incoming,) = ring.pass_on([kv], "ring_kv")
-            ob, lb, n = attend(q, kv[0], kv[1], ring.block(ring.rank - step, q.device))
-            pairs += n
-            o, lse = (ob, lb) if o is None else merge(o, lse, ob, lb)  # in the accumulation dtype
+                pending, (incoming,) = ring.pass_on([kv], "ring_kv", KV_TAG)
+            tile = ring.tile(ring.rank - step, q.device)
+            if tile.pairs:  # the tile only, merged into its rows (in the accumulation dtype)
+                rows, cols = tile.rows, tile.cols
+                ob, lb = attend(q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], tile.visible)
+                o[..., rows, :], lse[..., rows, :] = merge(o[..., rows, :], lse[..., rows, :], ob, lb)
+            pairs, scores = pairs + tile.pairs, scores + tile.scores
+            timer.lap("compute")
             if pending is not None:
                 pending.wait()
                 kv = incoming
+            timer.lap("wait")
         ring.pairs.append(pairs)
+        ring.scores.append(scores)
         ctx.ring = ring
         o = o.to(q.dtype)
         ctx.save_for_backward(q, k, v, o, lse)  # all T/c long: no (T, T) matrix is kept
@@ -309,19 +440,41 @@ class _RingAttention(torch.autograd.Function):
         delta = (do.to(acc) * o.to(acc)).sum(dim=-1, keepdim=True)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv = torch.stack([k, v])
-        grads = torch.zeros((2, *k.shape), dtype=acc, device=k.device)  # the dK, dV sums that travel with K, V
+        grads = torch.zeros((2, *k.shape), dtype=acc, device=k.device)  # dK, dV of the block held: its sums so far
+        grads_hop = grads_in = None  # the sums sent on last step, and the buffer the left neighbour's arrive in
+        timer = ring.timer("backward", q.device)
         for step in range(ring.world):
-            dqb, dkb, dvb = attend_backward(q, kv[0], kv[1], do, lse, delta, ring.block(ring.rank - step, q.device))
-            dq += dqb
-            grads[0] += dkb
-            grads[1] += dvb
-            if step < ring.world - 1:
-                pending, (kv, grads) = ring.pass_on([kv, grads], "ring_kv_grad")
-                pending.wait()
-        if ring.world > 1:
-            # after c - 1 hops this rank holds the right neighbour's dK, dV: one more hop takes them home
-            pending, (grads,) = ring.pass_on([grads], "ring_kv_grad")
-            pending.wait()
+            timer.step()
+            kv_hop = None
+            if step < ring.world - 1:  # the next K, V travel while this block is computed
+                kv_hop, (kv_next,) = ring.pass_on([kv], "ring_kv_bwd", KV_TAG)
+            tile = ring.tile(ring.rank - step, q.device)
+            rows, cols = tile.rows, tile.cols
+            if tile.pairs:
+                dqb, dkb, dvb = attend_backward(q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :],
+                                                do[..., rows, :], lse[..., rows, :], delta[..., rows, :], tile.visible)
+                dq[..., rows, :] += dqb
+            timer.lap("compute")
+            if grads_hop is not None:  # this block's sums from the ranks before: they travelled during the tile
+                grads_hop.wait()
+                grads = grads_in
+            timer.lap("wait")
+            if tile.pairs:
+                grads[0][..., cols, :] += dkb
+                grads[1][..., cols, :] += dvb
+            if ring.world > 1:  # on to the next rank, waited for after the next tile (after the last: home)
+                grads_hop, (grads_in,) = ring.pass_on([grads], "ring_dkv", DKV_TAG)
+            timer.lap("compute")
+            if kv_hop is not None:
+                kv_hop.wait()
+                kv = kv_next
+            timer.lap("wait")
+        if grads_hop is not None:
+            # after c - 1 hops this rank held the right neighbour's dK, dV: the last hop took them home, and no
+            # tile is left to hide it behind
+            grads_hop.wait()
+            grads = grads_in
+            timer.lap("wait")
         return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None
 
 

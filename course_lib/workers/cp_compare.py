@@ -1,21 +1,25 @@
 """Chapter 11's context-parallel experiment: ring attention over the launch's ranks, against one process.
 
-    torchrun --nproc-per-node 4 -m course_lib.workers.cp_compare --tasks exact,saved,train,api
+    torchrun --nproc-per-node 4 -m course_lib.workers.cp_compare --tasks exact,saved,train,api,overlap
 
 Tasks (``--tasks``, in this order, in one launch):
 
 - ``exact``: for each layout (plain, zigzag), in float64: ring attention of
   random ``q, k, v`` (output and the three gradients, every rank's part
   gathered) and the tiny transformer's loss and parameter gradients (summed
-  over the ranks), against one process; the query-key pairs each rank
-  computed; in float32, the bytes each rank sends per layer (forward, backward);
+  over the ranks), against one process; the query-key pairs and the score
+  elements each rank computed; in float32, the bytes each rank sends per layer
+  (forward, backward);
 - ``saved``: the bytes one block saves for the backward on each rank, against
   the same code in one process and the course's block (naive and fused attention);
 - ``train``: ``--steps`` Adam steps of the whole model in float32 (zigzag),
   losses against one process, seconds per step, bytes sent per step, the peak and the states per rank;
   ``--dp`` data-parallel groups of rings, ``--zero-stage`` 0-2 over all the ranks;
 - ``api``: torch's ``context_parallel`` on the same model with fused
-  attention: losses and gradients against one process, or the error it raises.
+  attention: losses and gradients against one process, or the error it raises;
+- ``overlap``: ring attention alone at the model's sizes (float32, zigzag),
+  timed: per pass, the seconds spent computing tiles and waiting for hops,
+  forward and backward, and a hop alone (sent and waited for, nothing computed).
 
 Every rank builds the same model and batch from the same seed; the
 single-process reference runs on every rank (it is small).
@@ -43,7 +47,8 @@ from course_lib.models import TransformerBlock, lm_loss
 from course_lib.workers.zero_common import RunConfig, build_model, gather_per_rank, global_batch, local_batch
 from course_lib.workers.zero_compare import reference
 
-TASKS = ("exact", "saved", "train", "api")
+TASKS = ("exact", "saved", "train", "api", "overlap")
+OVERLAP_REPEATS = 10  # timed passes per rank: the median of ten steadies a busy machine's noise
 
 
 @dataclass
@@ -56,6 +61,7 @@ class LayoutResult(WorkerResult):
     loss_diff: float             # float64 model: the loss
     grad_diff: float             # ... every parameter's gradient, summed over ranks
     pairs: list[int]             # query-key pairs each rank's forward computed (one attention)
+    scores: list[int]            # score elements each rank's forward computed (its tiles), per sequence and head
     blocks: list[int]            # key/value blocks each rank computed (masked-out blocks skipped)
     sent_forward: float          # bytes rank 0 sent per layer, float32 model
     sent_backward: float
@@ -70,6 +76,7 @@ class CPReport(WorkerResult):
     saved: dict[str, list[int]] = field(default_factory=dict)  # per rank: cp; one value: one_process, naive, fused
     train: dict = field(default_factory=dict)
     api: dict = field(default_factory=dict)
+    overlap: dict = field(default_factory=dict)
 
     def layout(self, name: str) -> LayoutResult:
         return next(r for r in self.layouts if r.layout == name)
@@ -136,7 +143,7 @@ def exact_task(cfg: RunConfig, layout: str, device: torch.device) -> LayoutResul
     out.backward(cp.shard(grad_out, world, rank, layout, dim=2).to(device))
     attn_out = _diff(_gathered(out, layout, 2), ref)
     attn_grad = max(_diff(_gathered(t.grad, layout, 2), r.grad) for t, r in zip(local, (ref_q, ref_k, ref_v)))
-    pairs = gather_per_rank(ring.pairs[0])
+    pairs, scores = gather_per_rank(ring.pairs[0]), gather_per_rank(ring.scores[0])
     blocks = gather_per_rank(sum(int(cp.positions(T, world, rank, layout).max() >= cp.positions(T, world, j, layout).min())
                                  for j in range(world)))
     # the whole model, float64
@@ -156,10 +163,10 @@ def exact_task(cfg: RunConfig, layout: str, device: torch.device) -> LayoutResul
     model32 = build_model(cfg, device)
     ring32 = cp.Ring.of(T, layout)
     cp_loss(model32, x.to(device), y.to(device), ring32).backward()
-    by_op, calls = ring32.counter.by_op, ring32.counter.calls
-    return LayoutResult(layout, attn_out, attn_grad, abs(total.item() - ref_loss.item()), grad_diff, pairs, blocks,
-                        by_op.get("ring_kv", 0.0) / cfg.n_layers, by_op.get("ring_kv_grad", 0.0) / cfg.n_layers,
-                        {op: n // cfg.n_layers for op, n in calls.items()})
+    sent = cp.sent_per_pass(ring32.counter)
+    return LayoutResult(layout, attn_out, attn_grad, abs(total.item() - ref_loss.item()), grad_diff, pairs, scores,
+                        blocks, sent["forward"] / cfg.n_layers, sent["backward"] / cfg.n_layers,
+                        {op: n // cfg.n_layers for op, n in ring32.counter.calls.items()})
 
 
 def saved_task(cfg: RunConfig, device: torch.device, dp: int = 1) -> dict[str, list[int]]:
@@ -288,6 +295,43 @@ def api_task(cfg: RunConfig, device: torch.device) -> dict:
             "positions_rank0": pos[0].tolist()}
 
 
+def overlap_task(cfg: RunConfig, device: torch.device, repeats: int = OVERLAP_REPEATS) -> dict:
+    """Ring attention alone (float32, zigzag, ``batch x heads x T/c x d``), timed ``repeats`` times after one untimed
+    pass: per pass and rank, the seconds computing tiles and waiting for hops (``cp.HopTimes`` summed over the
+    steps), forward and backward; and a K, V hop and a dK, dV hop alone, sent and waited for with nothing to compute.
+    Lists: one per rank, one value per repeat."""
+    world = dist.get_world_size()
+    T, C, H = cfg.seq_len, cfg.d_model, cfg.n_heads
+    g = torch.Generator().manual_seed(cfg.seed + dist.get_rank())
+    q, k, v, grad = (torch.randn(cfg.batch, H, T // world, C // H, generator=g).to(device) for _ in range(4))
+    ring = cp.Ring.of(T)
+
+    def one_pass() -> None:
+        mine = [t.clone().requires_grad_() for t in (q, k, v)]
+        cp.ring_attention(*mine, ring).backward(grad)
+    one_pass()  # untimed: the tiles and the first messages' set-up
+    ring.timed = True
+    for _ in range(repeats):
+        dist.barrier()  # every rank starts the pass together: a wait is then the hop's, not a late neighbour's
+        one_pass()
+    alone: dict[str, list[float]] = {"kv": [], "dkv": []}
+    messages = {"kv": (torch.stack([k, v]), cp.KV_TAG), "dkv": (torch.zeros((2, *k.shape), device=device), cp.DKV_TAG)}
+    for _ in range(repeats if world > 1 else 0):  # one rank has no neighbour to send to
+        for name, (tensor, tag) in messages.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            hop, _ = ring.pass_on([tensor], f"alone_{name}", tag)
+            hop.wait()
+            if device.type == "cuda":  # NCCL's wait returns before the data is there
+                torch.cuda.synchronize(device)
+            alone[name].append(time.perf_counter() - t0)
+    out: dict = {f"{d}_{kind}": gather_per_rank([sum(getattr(t, kind)) for t in ring.times[d]])
+                 for d in ("forward", "backward") for kind in ("compute", "wait")}
+    out |= {f"alone_{name}": gather_per_rank(ts) for name, ts in alone.items()}
+    out["hops"] = {"forward": world - 1, "backward_kv": world - 1, "backward_dkv": world if world > 1 else 0}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated: {', '.join(TASKS)}")
@@ -318,6 +362,8 @@ def main() -> None:
         report.train = train_task(cfg, device, a.dp, a.zero_stage)
     if "api" in tasks:
         report.api = api_task(cfg, device)
+    if "overlap" in tasks:
+        report.overlap = overlap_task(cfg, device)
     launch.report(report)
     launch.shutdown()
 
