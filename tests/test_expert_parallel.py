@@ -2,17 +2,30 @@
 
 Each launch checks the layer against the one-process ``MoEMLP`` in float64
 (outputs and gradients), every byte count against the rows that crossed ranks,
-and the parameters per rank against the formula.
+and the parameters per rank against the formula. The auxiliary load-balancing
+loss is checked on ranks this file starts itself (``_run_ranks``): its value on
+every rank against the one-process layer's on the EP group's tokens, and the
+router gradients it gives, summed over the group, against the one-process ones.
 """
 
 from __future__ import annotations
 
+import itertools
+import multiprocessing
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
 import pytest
+import torch
+import torch.distributed as dist
 
 from course_lib.distributed import launch
-from course_lib.distributed.expert_parallel import (bytes_per_layer, dispatch_buffer_bytes, expert_dp_groups,
-                                                    experts_per_rank, params_per_rank)
-from course_lib.moe import MoEMLP, expert_capacity
+from course_lib.distributed.expert_parallel import (ExpertParallelMoE, bytes_per_layer, dispatch_buffer_bytes,
+                                                    expert_dp_groups, experts_per_rank, params_per_rank)
+from course_lib.distributed.comm import ByteCounter
+from course_lib.moe import MoEMLP, expert_capacity, expert_counts, load_balancing_loss, no_drop_factor
 from course_lib.workers.ep_results import EPReport
 
 EXPERTS, D, H, TOKENS = 8, 8, 16, 16
@@ -92,3 +105,112 @@ def test_world_that_does_not_divide_the_experts_fails_clearly() -> None:
     with pytest.raises(RuntimeError, match="cannot share 3 experts"):
         launch.run("course_lib.workers.ep_compare", 2, ["--experts", "3", "--tokens", "8", "--pg-timeout", "30"],
                    timeout=120)
+
+
+# ----- the auxiliary load-balancing loss over the EP group ----------------------------------------------------
+
+PG_TIMEOUT_S, RUN_TIMEOUT_S = 60, 240
+
+
+def _aux_rank(rank: int, world: int, folder: str, eps: tuple[int, ...]) -> None:
+    """One rank: for each EP size (groups of consecutive ranks) and k, the layer's aux loss against one process."""
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", store=dist.FileStore(f"{folder}/store", world), rank=rank,
+                                world_size=world, timeout=timedelta(seconds=PG_TIMEOUT_S))
+        from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
+        results = []
+        # uneven shares (16, 24, 32, ... tokens), so that the group's token count must be reduced, not assumed
+        starts = list(itertools.accumulate((TOKENS + 8 * r for r in range(world)), initial=0))
+        for ep in eps:
+            ep_groups, _ = expert_dp_groups(world, ep)
+            made = [dist.new_group(g) for g in ep_groups]  # collective: every rank makes every group, in order
+            group, members = made[rank // ep], ep_groups[rank // ep]
+            for k, factor in ((1, no_drop_factor(EXPERTS, 1)), (2, 1.0)):  # k = 2 drops choices: f ignores that
+                torch.manual_seed(0)
+                full = MoEMLP(D, H, EXPERTS, k, factor).double()
+                gen = torch.Generator().manual_seed(1)
+                x = torch.randn(starts[-1], D, generator=gen, dtype=torch.float64)  # host: CPU ranks
+                group_x = x[starts[members[0]]:starts[members[-1] + 1]]  # the EP group's tokens, in rank order
+                mine = x[starts[rank]:starts[rank + 1]]
+                counter = ByteCounter()
+                layer = ExpertParallelMoE(full, group, counter)
+                full(group_x)
+                full.aux_loss.backward()
+                layer(mine)
+                layer.aux_loss.backward()
+                grad = layer.router.weight.grad.clone()
+                summed = grad.clone()
+                dist.all_reduce(summed, group=group)
+                r = layer.routing
+                own = load_balancing_loss(r.probs, r.expert[:, 0]).item()  # this rank's tokens alone
+                # the road not taken: P_i through torch's differentiable all_reduce, whose backward all-reduces too
+                probs = layer.router(mine).softmax(-1)
+                counts = expert_counts(r.expert[:, 0], EXPERTS).double()
+                dist.all_reduce(counts, group=group)
+                n = starts[members[-1] + 1] - starts[members[0]]
+                loss = EXPERTS * (counts / n * differentiable_all_reduce(probs.sum(0), group=group) / n).sum()
+                via_api, = torch.autograd.grad(loss, layer.router.weight)
+                dist.all_reduce(via_api, group=group)
+                results.append({"ep": ep, "k": k, "aux": layer.aux_loss.item(), "ref": full.aux_loss.item(),
+                                "own": own, "summed": summed, "grad": grad, "ref_grad": full.router.weight.grad,
+                                "via_api": via_api, "reduced": counter.by_op["all_reduce"]})
+        torch.save(results, f"{folder}/{rank}.pt")
+        dist.destroy_process_group()
+    except BaseException:
+        Path(folder, f"{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+def _run_ranks(world: int, folder: Path, eps: tuple[int, ...], timeout: float = RUN_TIMEOUT_S) -> list[list[dict]]:
+    """Start ``world`` gloo ranks of ``_aux_rank`` (spawned processes), wait at most ``timeout`` s; their results."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_aux_rank, args=(r, world, str(folder), eps), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        late = [r for r, p in enumerate(procs) if p.is_alive()]
+        for r in late:
+            procs[r].kill()
+            procs[r].join()
+    assert not late, f"ranks {late} did not finish within {timeout:.0f} s (stopped)"
+    for r, p in enumerate(procs):
+        err = folder / f"{r}.err"
+        assert p.exitcode == 0, f"rank {r} exited with {p.exitcode}:\n{err.read_text() if err.exists() else ''}"
+    return [torch.load(folder / f"{r}.pt") for r in range(world)]
+
+
+def _check_aux(ranks: list[list[dict]]) -> None:
+    world = len(ranks)
+    for runs in zip(*ranks):  # one (ep, k) on every rank
+        ep, k = runs[0]["ep"], runs[0]["k"]
+        for g in range(0, world, ep):
+            group = runs[g:g + ep]
+            where = f"ep={ep} k={k} ranks {g}..{g + ep - 1}"
+            # the value: the one-process layer's on the group's tokens, on every rank of the group
+            assert all(abs(r["aux"] - r["ref"]) < FLOAT64 for r in group), (where, [r["aux"] for r in group],
+                                                                            group[0]["ref"])
+            # a rank's own tokens give another, noisier loss (16 to 40 tokens over 8 experts)
+            assert max(abs(r["own"] - r["ref"]) for r in group) > 1e-3, where
+            # the gradient: each rank's share of the group's tokens, summing to the one-process gradient
+            ref = group[0]["ref_grad"]
+            assert all((r["summed"] - ref).abs().max() < FLOAT64 for r in group), where
+            assert all((r["grad"] - ref).abs().max() > 1e-6 for r in group), (where, "a rank's share is not the whole")
+            # a differentiable all_reduce would hand every rank the whole group's gradient: ep times too much
+            assert all((r["via_api"] - ep * ref).abs().max() < FLOAT64 for r in group), where
+            # one all-reduce of 2E + 1 float64 numbers (counts, probability sums, tokens), counted as a ring's
+            assert all(r["reduced"] == pytest.approx(2 * (ep - 1) / ep * (2 * EXPERTS + 1) * 8) for r in group)
+
+
+@pytest.mark.slow
+def test_aux_loss_over_two_ranks_equals_one_process(tmp_path: Path) -> None:
+    _check_aux(_run_ranks(2, tmp_path, eps=(2,)))
+
+
+@pytest.mark.slow
+def test_aux_loss_over_four_ranks_and_two_groups_of_two(tmp_path: Path) -> None:
+    _check_aux(_run_ranks(4, tmp_path, eps=(4, 2)))

@@ -20,6 +20,16 @@ sums over each rank's tokens and are all-reduced like data parallelism's. With
 EP x DP (``world = e * d``), ranks holding the same experts form a DP group:
 expert gradients are all-reduced over it only, the router's over the world.
 
+The auxiliary load-balancing loss (``moe.load_balancing_loss``, Switch's
+``E * sum_i f_i P_i``) is the group's: ``f_i`` and ``P_i`` are means over every
+token of the EP group, so each rank all-reduces its per-expert first-choice
+counts, its per-expert sums of router probabilities and its token count (one
+all-reduce of ``2E + 1`` numbers per layer and forward). Every rank's
+``aux_loss`` then equals the one-process layer's on the group's tokens, and
+its gradient on a rank is the share of that rank's own tokens, so that the
+router gradients summed over the group are the one-process ones (with EP x DP,
+summed over the world: the gradient of the EP groups' aux losses added up).
+
 Bytes a rank sends per layer and all-to-all: the rows bound for other ranks;
 with even routing ``(e-1)/e * k T_r * d_model * b`` for ``T_r`` tokens per
 rank, and four all-to-alls per layer (dispatch, combine, their backwards).
@@ -33,8 +43,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib.distributed.comm import ByteCounter, all_to_all
-from course_lib.moe import MoEMLP, Routing, expert_batches, queue_lengths, route
+from course_lib.distributed.comm import ByteCounter, all_reduce, all_to_all
+from course_lib.moe import MoEMLP, Routing, expert_batches, expert_counts, queue_lengths, route
 
 
 def experts_per_rank(n_experts: int, ep: int) -> int:
@@ -72,12 +82,47 @@ def exchange_counts(counts: torch.Tensor, ep: int, counter: ByteCounter | None =
     return received.view(ep, per)
 
 
+def group_load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor, counter: ByteCounter | None = None,
+                              group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Switch's ``E * sum_i f_i P_i`` over the tokens of all of ``group``'s ranks; the gradient of this rank's.
+
+    ``probs``: this rank's ``(T_r, E)`` router softmax; ``first_choice``: its
+    ``(T_r,)`` first-choice expert ids. The value is ``moe.load_balancing_loss``
+    on all the group's tokens (computed in at least float32). The gradient
+    reaches this rank's router through this rank's ``P_i`` sums only; summed
+    over the group's ranks it is the one-process gradient (``f_i`` carries
+    none, as in one process).
+    """
+    n_experts = probs.shape[-1]
+    # at least float32: in bf16 a count above 256 is no longer a whole number
+    dtype = torch.promote_types(probs.dtype, torch.float32)
+    mine = probs.to(dtype).sum(0)  # this rank's sum of each expert's probability
+    stats = torch.cat([expert_counts(first_choice, n_experts).to(dtype), mine.detach(),
+                       mine.new_full((1,), first_choice.numel())])
+    # One all-reduce of detached numbers, not torch.distributed.nn's differentiable all_reduce: that one's
+    # backward all-reduces the gradient as well, so every rank's router would get the gradient of all the group's
+    # tokens and the sum over ranks, which the router's gradient sync takes, would be e times the one-process
+    # gradient. Here the other ranks' sums enter as constants and this rank's own sum carries the gradient: no
+    # collective in the backward. Cost: 2E + 1 numbers per forward, one latency-bound message.
+    all_reduce(stats, counter=counter, group=group)
+    counts, sums, n = stats[:n_experts], stats[n_experts:2 * n_experts], stats[-1]
+    f = counts / n  # no gradient
+    # value: the group's sums exactly (mine - mine.detach() is 0); gradient: d/d(mine) only
+    p = (sums + (mine - mine.detach())) / n
+    return n_experts * (f * p).sum()
+
+
 class ExpertParallelMoE(nn.Module):
     """This rank's part of a ``MoEMLP`` on an EP group: the router copied, experts ``shard*E/e .. (shard+1)*E/e``.
 
-    ``forward`` keeps ``routing`` and ``send_splits``/``recv_splits`` (rows of the
-    dispatch buffers, per peer). ``a2a`` swaps the hand-written
-    all-to-all for torch's differentiable one (``torch.distributed.nn``).
+    ``forward`` keeps ``routing``, ``aux_loss`` (as ``MoEMLP`` does, but over the
+    whole EP group's tokens: ``group_load_balancing_loss``) and
+    ``send_splits``/``recv_splits`` (rows of the dispatch buffers, per peer).
+    Each rank adds ``alpha * aux_loss`` to its loss; the router's gradients,
+    summed over the ranks, are then the one-process layer's (averaged over
+    ``e`` ranks instead, the aux term's would be ``1/e`` of it). ``a2a`` swaps
+    the hand-written all-to-all for torch's differentiable one
+    (``torch.distributed.nn``).
     """
 
     def __init__(self, moe: MoEMLP, group: dist.ProcessGroup | None = None, counter: ByteCounter | None = None,
@@ -93,6 +138,7 @@ class ExpertParallelMoE(nn.Module):
         first = self.shard * self.per
         self.experts = nn.ModuleList(copy.deepcopy(moe.experts[i]) for i in range(first, first + self.per))
         self.routing: Routing | None = None
+        self.aux_loss: torch.Tensor | None = None
         self.send_splits: list[int] = []
         self.recv_splits: list[int] = []
 
@@ -108,6 +154,7 @@ class ExpertParallelMoE(nn.Module):
         n = tokens.shape[0]
         r = route(self.router(tokens), self.k, self.capacity_factor)
         self.routing = r
+        self.aux_loss = group_load_balancing_loss(r.probs, r.expert[:, 0], self.counter, self.group)
         gate = r.gate.t().reshape(-1)
         # the splits are host integers, read twice per layer on purpose: this rank's queues (one wait for the
         # device) and, after the counts' all-to-all, what the others send. Implementations with fixed shapes pad
