@@ -1,5 +1,6 @@
 """The console script: bad input gets clear errors; the runner writes results and a report."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -180,3 +181,64 @@ def test_runner_resolves_a_relative_output_folder(tmp_path, monkeypatch):
     assert 0 < result["cpu_seconds"] < 10 * result["seconds"]  # the kernel's own CPU time (it starts Python)
     assert (tmp_path / "out" / "results" / "00_tiny.jsonl").exists()
     assert not (tmp_path / "nb" / "out").exists()
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def test_every_option_of_every_command_says_what_it_takes():
+    """`course X --help` explains each option: a help text; for a value, its default; for a number, its unit."""
+    commands = _subcommands()
+    assert {"run", "check", "grade", "release", "assign", "lab"} <= set(commands)
+    for name, parser in commands.items():
+        assert parser.description, f"`course {name} --help` has no description"
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            flag = "/".join(action.option_strings) or action.dest
+            text = (action.help or "") % {"default": action.default}
+            assert len(text) > 10, f"`course {name}` {flag} has no help text"
+            takes_value = action.option_strings and action.nargs != 0
+            if takes_value and action.default is not None or action.type in (int, float):
+                assert "default" in text, f"`course {name}` {flag}: say its default in the help"
+            if action.type in (int, float):  # a number: in what?
+                assert any(unit in text for unit in ("seconds", "number of")), \
+                    f"`course {name}` {flag}: say the unit of the number ({text!r})"
+
+
+def test_help_of_check_names_the_unit_and_the_default(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["check", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--timeout SECONDS" in out and "(default: 60)" in out and "exercises/01_memory_anatomy.ipynb" in out
+
+
+@pytest.mark.parametrize("command", ["check", "grade"])
+@pytest.mark.parametrize("typed, suggestion", [
+    ("exercises/99_x.ipynb", None),
+    ("exercise/03_gradient_accumulation.ipynb", "03_gradient_accumulation.ipynb"),  # the folder's name mistyped
+    ("exercises/09_tensor_paralel.ipynb", "09_tensor_parallel.ipynb"),
+    ("exercises/04", "04_normalization.ipynb"),
+])
+def test_a_missing_notebook_says_what_is_wrong_and_lists_the_exercises(command, typed, suggestion, capsys,
+                                                                          monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert cli.main([command, typed]) == 2
+    err = capsys.readouterr().err
+    assert f"course {command}: {typed} does not exist" in err, err
+    assert f"The exercises are in exercises{os.sep}:" in err
+    for path in sorted((ROOT / "exercises").glob("*.ipynb")):
+        assert f"  {path.name}\n" in err, f"{path.name} not listed:\n{err}"
+    assert ("Did you mean" in err) == (suggestion is not None), err
+    if suggestion:
+        assert f"Did you mean {os.path.join('exercises', suggestion)}?" in err
+    assert "Traceback" not in err
+
+
+def test_check_of_a_folder_says_it_takes_a_notebook(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert cli.main(["check", "exercises"]) == 2
+    err = capsys.readouterr().err
+    assert "exercises is a folder" in err and "takes a notebook file" in err and "01_memory_anatomy.ipynb" in err

@@ -7,10 +7,12 @@
     course bench [--json]                                 speed and memory ratios (benchmarks/)
     course gpu-check [--list] [--only CHECK ...]          the GPU code paths, briefly (needs a GPU)
     course site [--build DIR]                             static HTML of the executed course
-    course assign                                         regenerate exercises/ from solutions/
+    course assign [--check]                               regenerate exercises/ from solutions/
     course grade NOTEBOOK|FOLDER [-j N] [--timeout S]     grade a learner's notebook (or a class)
-    course check NOTEBOOK                                 run the visible tests, with hints
-    course release DEST                                   the learner's copy: no solutions, no hidden tests
+    course check NOTEBOOK [--timeout S]                   run the visible tests, with hints
+    course release DEST [--force]                         the learner's copy: no solutions, no hidden tests
+
+`course COMMAND --help` gives each option with its unit and default.
 """
 
 from __future__ import annotations
@@ -126,57 +128,94 @@ def _cmd_grading(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="course", description="Training neural networks that do not fit.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("run", help="execute notebooks with papermill into build/ and write a report")
-    p.add_argument("notebooks", nargs="*", help="notebook files or number prefixes (default: all)")
-    p.add_argument("--profile", choices=env.PROFILES, help="default: $COURSE_PROFILE, else gpu with CUDA, else cpu")
-    p.add_argument("--out", default="build", help="output folder (default: build)")
-    p.add_argument("--cell-timeout", type=int, default=None, metavar="S",
-                   help="seconds one cell may run (default: 900 at smoke, 3 hours at cpu, 1 hour at gpu)")
+    """The ``course`` command's parser. Every option says what it takes, in which unit, and its default
+    (``tests/test_cli.py`` checks that each has a help text)."""
+    parser = argparse.ArgumentParser(
+        prog="course", description="Training neural networks that do not fit.",
+        epilog="Run `course COMMAND --help` for a command's options. Learners: `course lab` to open the course, "
+               "`course check exercises/NN_name.ipynb` to test an exercise.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("run", help="execute notebooks with papermill into build/ and write a report",
+                       description="Execute notebooks top to bottom with papermill, write the executed copies, "
+                                   "results.json and report.md into --out, and print each notebook's time.")
+    p.add_argument("notebooks", nargs="*", metavar="NOTEBOOK",
+                   help="a notebook file or a number prefix such as 04 (default: every notebook in notebooks/)")
+    p.add_argument("--profile", choices=env.PROFILES,
+                   help="experiment sizes (default: $COURSE_PROFILE, else gpu when PyTorch sees a GPU, else cpu)")
+    p.add_argument("--out", default="build", metavar="DIR", help="output folder (default: %(default)s)")
+    p.add_argument("--cell-timeout", type=int, default=None, metavar="SECONDS",
+                   help="seconds one cell may run before the notebook fails (default: 900 at smoke, 3 hours at "
+                        "cpu, 1 hour at gpu)")
     p.set_defaults(func=_cmd_run)
-    p = sub.add_parser("doctor", help="versions, device, datasets, and what to fix")
+    p = sub.add_parser("doctor", help="versions, device, datasets, and what to fix",
+                       description="Print the versions, the device, the profile and the datasets, and what to fix.")
     p.set_defaults(func=_cmd_doctor)
-    p = sub.add_parser("lab", help="start JupyterLab on the course folder (adds --allow-root when run as root)")
-    p.add_argument("jupyter_args", nargs=argparse.REMAINDER, help="passed on to jupyter lab, e.g. --port 8890")
+    p = sub.add_parser("lab", help="start JupyterLab on the course folder (adds --allow-root when run as root)",
+                       description="Start JupyterLab on the course folder. As root, --allow-root is added.")
+    p.add_argument("jupyter_args", nargs=argparse.REMAINDER, metavar="JUPYTER_ARG",
+                   help="passed on to jupyter lab as they are, e.g. --port 8890 (default: none)")
     p.set_defaults(func=_cmd_lab)
-    p = sub.add_parser("download", help="download a dataset into data/")
-    p.add_argument("dataset", help="cifar10")
+    p = sub.add_parser("download", help="download a dataset into data/",
+                       description="Download a dataset into data/.")
+    p.add_argument("dataset", metavar="DATASET",
+                   help="the dataset to fetch; only cifar10 (about 170 MB, into data/cifar-10-batches-py/)")
     p.set_defaults(func=_cmd_download)
-    p = sub.add_parser("bench", help="measure the speed and memory ratios in benchmarks/")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--only", nargs="*", help="run only these benchmark modules")
+    p = sub.add_parser("bench", help="measure the speed and memory ratios in benchmarks/",
+                       description="Run the benchmarks in benchmarks/ and print their ratios beside their goals.")
+    p.add_argument("--json", action="store_true", help="print the table as JSON (default: a text table)")
+    p.add_argument("--only", nargs="*", metavar="MODULE",
+                   help="run only these benchmark modules, e.g. ddp or bench_ddp (default: all)")
     p.set_defaults(func=_cmd_bench)
     p = sub.add_parser("gpu-check", help="run the course's GPU code paths briefly, with CUDA memory statistics "
-                                         "beside the predictions (needs a GPU; --list works anywhere)")
+                                         "beside the predictions (needs a GPU; --list works anywhere)",
+                       description="Run each chapter's GPU code path briefly (under 10 minutes in all) and print "
+                                   "one table: result, time, CUDA's peak memory beside the prediction.")
     p.add_argument("--list", action="store_true", help="list the checks and exit (no GPU needed)")
-    p.add_argument("--only", nargs="*", metavar="CHECK", help="run only these checks")
+    p.add_argument("--only", nargs="*", metavar="CHECK",
+                   help="run only these checks, named as --list names them (default: all)")
     p.set_defaults(func=_cmd_gpu_check)
-    p = sub.add_parser("site", help="build a static HTML version of the executed course under build/site/")
-    p.add_argument("--build", default="build", help="the folder `course run` wrote (default: build)")
+    p = sub.add_parser("site", help="build a static HTML version of the executed course under build/site/",
+                       description="Build a static HTML version of the executed course under BUILD/site/.")
+    p.add_argument("--build", default="build", metavar="DIR",
+                   help="the folder `course run` wrote (default: %(default)s)")
     p.set_defaults(func=_cmd_site)
-    p = sub.add_parser("assign", help="regenerate exercises/ from solutions/")
-    p.add_argument("--check", action="store_true", help="fail if exercises/ is out of date, write nothing")
+    p = sub.add_parser("assign", help="regenerate exercises/ from solutions/",
+                       description="Regenerate exercises/ from solutions/ (stubs with hints, no hidden tests).")
+    p.add_argument("--check", action="store_true",
+                   help="write nothing; exit 1 and name the files if exercises/ is out of date")
     p.set_defaults(func=_cmd_grading)
-    p = sub.add_parser("grade", help="grade a notebook, or every notebook in a folder (CSV, summary, feedback)")
-    p.add_argument("notebook", help="a learner's .ipynb, or a folder of them")
-    p.add_argument("--timeout", type=int, default=60, help="seconds allowed per cell (default 60)")
-    p.add_argument("--notebook-timeout", type=float, default=None, metavar="S",
-                   help="seconds allowed for all the cells of one notebook (default: ten cells' worth, at least 120)")
-    p.add_argument("-j", "--jobs", type=int, default=1, help="with a folder: notebooks graded in parallel (default 1)")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.add_argument("--csv", help="with a folder: where to write the CSV (default: <folder>/grades.csv); the JSON "
-                                 "and the summary go beside it")
-    p.add_argument("--feedback", help="with a folder: the folder of per-student feedback files (default: "
-                                      "feedback/ beside the CSV; 'none' for none)")
+    p = sub.add_parser("grade", help="grade a notebook, or every notebook in a folder (CSV, summary, feedback)",
+                       description="Grade a learner's notebook with the instructor's tests, hidden ones included, "
+                                   "in a sandboxed kernel; or every .ipynb under a folder.")
+    p.add_argument("notebook", metavar="NOTEBOOK_OR_FOLDER", help="a learner's .ipynb, or a folder of them")
+    p.add_argument("--timeout", type=int, default=60, metavar="SECONDS",
+                   help="seconds one cell may run before its question scores zero (default: %(default)s)")
+    p.add_argument("--notebook-timeout", type=float, default=None, metavar="SECONDS",
+                   help="seconds for all the cells of one notebook (default: ten times --timeout, at least 120)")
+    p.add_argument("-j", "--jobs", type=int, default=1, metavar="N",
+                   help="with a folder: the number of notebooks graded at once (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON (default: a text table)")
+    p.add_argument("--csv", metavar="PATH", help="with a folder: where to write the CSV (default: "
+                                                 "FOLDER/grades.csv); the JSON and the summary go beside it")
+    p.add_argument("--feedback", metavar="DIR", help="with a folder: the folder of per-student feedback files "
+                                                     "(default: feedback/ beside the CSV; 'none' for none)")
     p.set_defaults(func=_cmd_grading)
-    p = sub.add_parser("check", help="run an exercise's visible tests the way the grader does, with hints")
-    p.add_argument("notebook")
-    p.add_argument("--timeout", type=int, default=60)
+    p = sub.add_parser("check", help="run an exercise's visible tests the way the grader does, with hints",
+                       description="Run an exercise notebook in a fresh kernel against its visible tests, the way "
+                                   "the grader does, and print each question's status with its hint. Exit status "
+                                   "0 when every question passes.")
+    p.add_argument("notebook", metavar="NOTEBOOK",
+                   help="your copy of an exercise, e.g. exercises/01_memory_anatomy.ipynb (keep its file name)")
+    p.add_argument("--timeout", type=int, default=60, metavar="SECONDS",
+                   help="seconds one cell may run before its question counts as timed out (default: %(default)s); "
+                        "the whole notebook gets ten times that, at least 120")
     p.set_defaults(func=_cmd_grading)
-    p = sub.add_parser("release", help="write the learner's copy of the course: no solutions, no hidden tests")
-    p.add_argument("dest", help="a new (or empty) folder")
-    p.add_argument("--force", action="store_true", help="replace DEST if it holds an earlier release")
+    p = sub.add_parser("release", help="write the learner's copy of the course: no solutions, no hidden tests",
+                       description="Write the learner's copy of the course into DEST: the notebooks, the library "
+                                   "and the exercises, without the solutions, the tests and the hidden tests.")
+    p.add_argument("dest", metavar="DEST", help="a new (or empty) folder")
+    p.add_argument("--force", action="store_true",
+                   help="replace DEST if it holds an earlier release (default: refuse a folder that is not empty)")
     p.set_defaults(func=_cmd_grading)
     return parser
 

@@ -10,11 +10,13 @@ with every grade given until then written out.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
+import os
 import sys
 from pathlib import Path
 
-from course_lib.tools.grading.exercise import Catalog, read_notebook
+from course_lib.tools.grading.exercise import EXERCISES, Catalog, read_notebook
 from course_lib.tools.grading.grade import GradeResult, grade_notebook, points_text
 
 STATUS_WORD = {"passed": "ok", "failed": "failed", "error": "error", "timeout": "timeout", "rejected": "rejected"}
@@ -23,6 +25,33 @@ ALL_VISIBLE_PASS = "visible tests passed; hidden tests check more"
 
 def _solutions(args: argparse.Namespace) -> Path | None:
     return getattr(args, "solutions", None)  # None: $COURSE_SOLUTIONS, else solutions/
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the working folder when it lies below it (as a learner would type it)."""
+    try:
+        return os.path.relpath(path) if Path.cwd() in path.resolve().parents else str(path)
+    except ValueError:  # another drive (Windows)
+        return str(path)
+
+
+def missing_notebook(path: Path, command: str, exercises: Path = EXERCISES) -> FileNotFoundError:
+    """The error for a notebook path that is not there: what was wrong, and the exercises that are."""
+    folder = _shown(exercises)
+    names = sorted(p.name for p in exercises.glob("*.ipynb")) if exercises.is_dir() else []
+    why = "is a folder" if path.is_dir() else "does not exist" if not path.exists() else "is not a file"
+    lines = [f"{path} {why} (looked for it from {Path.cwd()}). `course {command}` takes a notebook file."]
+    if not names:
+        lines.append(f"There are no exercise notebooks in {folder}{os.sep}.")
+        return FileNotFoundError("\n".join(lines))
+    close = [n for n in names if n.startswith(path.name)] if path.name else []
+    close = close if len(close) == 1 else difflib.get_close_matches(path.name, names, n=1, cutoff=0.6)
+    if close:
+        lines.append(f"Did you mean {os.path.join(folder, close[0])}?")
+    lines.append(f"The exercises are in {folder}{os.sep}:")
+    lines += [f"  {name}" for name in names]
+    lines.append(f"For example: course {command} {os.path.join(folder, names[0])}")
+    return FileNotFoundError("\n".join(lines))
 
 
 def assign(args: argparse.Namespace) -> int:
@@ -62,6 +91,8 @@ def grade(args: argparse.Namespace) -> int:
     target = Path(args.notebook)
     if target.is_dir():
         return _grade_folder(target, args)
+    if not target.is_file():
+        raise missing_notebook(target, "grade")
     path = target
     ex = Catalog(_solutions(args)).find(read_notebook(path), path)
     from course_lib.tools.grading import isolation
@@ -122,6 +153,8 @@ def _grade_folder(folder: Path, args: argparse.Namespace) -> int:
 def check(args: argparse.Namespace) -> int:
     """Run a learner's notebook against the visible tests, the way the grader runs them, with hints."""
     path = Path(args.notebook)
+    if not path.is_file():
+        raise missing_notebook(path, "check")
     ex = Catalog(_solutions(args), public=True).find(read_notebook(path), path)
     print(f"Checking {path} against the visible tests of exercise {ex.name} ...", flush=True)
     result = grade_notebook(path, timeout=args.timeout, exercise=ex, hidden=False, isolation="none")
