@@ -33,6 +33,26 @@ T = TypeVar("T")
 # benchmarks/bench_notebooks.py read them from here): seconds (a notebook, the whole course) at each profile, on two
 # idle CPU cores of either kind (with or without native bf16; see cpu_speed). smoke is what the tests run.
 BUDGET_S = {"smoke": (90.0, 15 * 60.0), "cpu": (3 * 60.0, 20 * 60.0)}
+# What each notebook took at cpu on two idle cores: (wall, CPU) seconds from `course run`'s summary, on one machine
+# with each kind of CPU kernel (MEASURED_ON). The README's table shows these figures (a test holds the two equal)
+# and each notebook's first cell prints its own row (budget_line): the one place they are stated.
+MEASURED_MACHINE = "a 2-core AMD EPYC"
+MEASURED_ON = {"AVX512": "with AVX-512 (native bf16)", "AVX2": "with PyTorch held to AVX2 kernels (bf16 emulated)"}
+MEASURED_CPU_S: dict[str, dict[str, tuple[int, int]]] = {
+    "00": {"AVX512": (14, 13), "AVX2": (12, 10)},
+    "01": {"AVX512": (9, 9), "AVX2": (10, 8)},
+    "02": {"AVX512": (114, 191), "AVX2": (130, 216)},
+    "03": {"AVX512": (32, 31), "AVX2": (33, 33)},
+    "04": {"AVX512": (166, 318), "AVX2": (194, 370)},
+    "05": {"AVX512": (83, 82), "AVX2": (78, 76)},
+    "06": {"AVX512": (44, 61), "AVX2": (45, 64)},
+    "07": {"AVX512": (130, 101), "AVX2": (133, 104)},
+    "08": {"AVX512": (139, 199), "AVX2": (163, 238)},
+    "09": {"AVX512": (56, 91), "AVX2": (60, 97)},
+    "10": {"AVX512": (109, 112), "AVX2": (111, 115)},
+    "11": {"AVX512": (47, 68), "AVX2": (45, 66)},
+    "12": {"AVX512": (115, 152), "AVX2": (90, 120)},
+}
 # A bf16 matmul this many times slower than the same fp32 one means the CPU emulates bf16. Measured: 0.2-0.5 on
 # CPUs with AVX512-BF16 or AMX; 30-60 on AVX2-only CPUs, where oneDNN has no bf16 kernel and converts element
 # by element. Anything between would still make a bf16 cell several times slower than its fp32 twin.
@@ -80,6 +100,32 @@ def sizes(profile: str, table: Mapping[str, T]) -> T:
     if profile not in table:
         raise KeyError(f"the size table has no entry for profile {profile!r}; it has {sorted(table)}")
     return table[profile]
+
+
+def duration(seconds: float) -> str:
+    """``45 s``, ``3 min 10 s``, ``1 h 02 min``: a time a reader takes in at a glance."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
+def budget_line(profile: str, notebook: str) -> str:
+    """What ``notebook`` (``"04"``) may take at ``profile``, what it took on the machines measured, and this CPU."""
+    import torch
+
+    check_profile(profile)
+    if profile == "gpu":
+        return ("gpu profile: sizes for one modern GPU (each notebook's parameters cell estimates its time; the "
+                "course has not yet been timed on a GPU)")
+    one, whole = BUDGET_S[profile]
+    line = f"{profile} profile: budget {duration(one)} for this notebook ({duration(whole)} for the course) on two idle cores"
+    if profile == "cpu" and notebook in MEASURED_CPU_S:
+        line += f"; measured on {MEASURED_MACHINE}: " + ", ".join(
+            f"{duration(wall)} {MEASURED_ON[kind]}" for kind, (wall, _) in MEASURED_CPU_S[notebook].items())
+    return line + f". This CPU: {torch.backends.cpu.get_cpu_capability()}; `course run` prints this run's time."
 
 
 def pick_device(profile: str | None = None) -> "torch.device":

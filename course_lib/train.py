@@ -17,7 +17,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -67,14 +67,20 @@ class History:
         return {k: list(v) for k, v in self.__dict__.items()}
 
 
+@functools.lru_cache(maxsize=8)
+def _process(pid: int) -> Any:
+    """This process's psutil handle, made once per pid (a forked run has its own): making one reads /proc."""
+    import psutil
+
+    return psutil.Process(pid)
+
+
 def _memory_now(device: torch.device) -> int:
     """Peak CUDA bytes allocated since the last reset on a GPU; the process's resident size on the CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     try:
-        import psutil
-
-        return psutil.Process(os.getpid()).memory_info().rss
+        return _process(os.getpid()).memory_info().rss
     except ImportError:  # psutil comes with jupyter; without it, no CPU memory figure
         return 0
 

@@ -123,3 +123,39 @@ def test_budgets_are_stated_once():
                 wrong.append(f"{path.name}: {m[0]!r}")
         wrong += [f"{path.name}: {m[0]!r}" for m in per_course.finditer(text) if int(m[1]) != whole]
     assert not wrong, f"budgets other than env.BUDGET_S's {one} and {whole} minutes: {wrong}"
+
+
+def _seconds(text: str) -> int:
+    """'2 min 46 s' or '14 s' -> seconds (the inverse of env.duration below an hour)."""
+    import re
+
+    m = re.fullmatch(r"(?:(\d+) min )?(\d+) s", text.strip())
+    assert m, f"not a duration: {text!r}"
+    return int(m[1] or 0) * 60 + int(m[2])
+
+
+def test_readme_times_are_env_measured_times():
+    """The README's cpu table states env.MEASURED_CPU_S, the figures each notebook's first cell prints."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = {line.split("|")[1].strip()[:2]: [c.strip() for c in line.split("|")[2:6]]
+            for line in readme.splitlines() if line.startswith("| ") and line[2:4].isdigit() and " s |" in line}
+    assert set(rows) == set(env.MEASURED_CPU_S), sorted(rows)
+    for nb, cells in rows.items():
+        got = {"AVX512": (_seconds(cells[0]), _seconds(cells[1])), "AVX2": (_seconds(cells[2]), _seconds(cells[3]))}
+        assert got == env.MEASURED_CPU_S[nb], (nb, got)
+    assert env.MEASURED_MACHINE.removeprefix("a ") in readme
+
+
+def test_budget_line_names_the_budget_the_measured_times_and_this_cpu():
+    import torch
+
+    line = env.budget_line("cpu", "04")
+    wall = env.MEASURED_CPU_S["04"]
+    assert "budget 3 min 00 s for this notebook (20 min 00 s for the course)" in line
+    assert all(env.duration(w) in line for w, _ in wall.values()) and "AVX-512" in line and "AVX2" in line
+    assert torch.backends.cpu.get_cpu_capability() in line
+    assert "measured" not in env.budget_line("smoke", "04")
+    with pytest.raises(ValueError, match="unknown profile"):
+        env.budget_line("laptop", "04")
