@@ -28,11 +28,11 @@ does: under the zigzag, rank ``i`` against the block of rank ``j < i`` computes
 all its queries against that block's first chunk of keys, against ``j > i``
 its second chunk of queries against all the keys, both without a mask; only its
 own block (``j = i``) is computed whole, under the causal mask. That is
-``(c+1)/2 (T/c)^2`` scores per rank and head instead of ``c (T/c)^2``
-(``tile_scores``, ``full_block_scores``).
+``(c+1)/2 (T/c)^2`` scores per rank, sequence and head instead of the
+``c (T/c)^2`` of whole blocks (``tile_scores``, ``full_block_scores``).
 
-Overlap: each hop is posted before the tile it follows is computed, and waited
-for after, so the transfer can run behind the computation. Forward: K, V.
+Overlap: each hop is posted before the tile it travels behind is computed, and
+waited for after it, so the transfer can run behind the computation. Forward: K, V.
 Backward: K, V as one message, and the block's ``dK, dV`` sums as another,
 posted once this rank's terms are added and waited for only after the next
 tile; the last ``dK, dV`` hop, home, has no tile left to hide behind.
@@ -399,7 +399,8 @@ def sent_per_pass(counter: ByteCounter) -> dict[str, float]:
 
 
 class _RingAttention(torch.autograd.Function):
-    """Causal attention over the ring: forward merges c partial results, backward sends dK, dV home."""
+    """Causal attention over the ring: forward merges c partial results, backward sends dK, dV home; every hop is
+    posted before the tile it travels behind and waited for after it (but the backward's last, home)."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:
