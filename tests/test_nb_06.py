@@ -25,10 +25,12 @@ def test_hook_counts(claims):
     assert claims["ch06/hook_calls_used_twice"] == 1
     assert claims["ch06/hook_calls_reentrant_checkpoint"] == 2
     assert claims["ch06/dynamic_hook_calls_reentrant"] == 2
+    # the text reads these off the table's "buckets re-sent" column: 0; 2 (the checkpointed block's weight
+    # bucket and the bucket its bias shares, both in the first step); 1 (the head's bucket on step 1 only)
     assert claims["ch06/dynamic_resent_learned_counts"] == 0
-    assert claims["ch06/dynamic_resent_first_call"] > 0
+    assert claims["ch06/dynamic_resent_first_call"] == 2
     assert claims["ch06/dynamic_first_call_grad_diff"] < TOL, "the re-sends repair the early buckets"
-    assert claims["ch06/dynamic_resent_graph_change"] >= 1
+    assert claims["ch06/dynamic_resent_graph_change"] == 1
 
 
 def test_bucketed_ddp_fails_where_the_text_says(claims):
