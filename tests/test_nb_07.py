@@ -71,7 +71,10 @@ def test_sent_tensors_are_freed_once_the_peer_has_them(claims):
     ofob, gpipe = claims["ch07/exec_sends_held_1f1b"], claims["ch07/exec_sends_held_gpipe"]
     p, m = len(ofob), claims["ch07/sim_peak_inflight_gpipe"][0]
     assert ofob == claims["ch07/exec_sends_bound_1f1b"]                  # what the schedule allows, no more
-    assert ofob == [min(p - s, m) + (s > 0) for s in range(p)]           # about p, not m
+    # the text's formula: min(p, m) on stage 0 (its warm-up's activations), min(p - s + 1, m) on stage s >= 1
+    # (the gradients of its cool-down, which the stage before never acknowledges): about p, not m
+    assert ofob == [min(p, m)] + [min(p - s + 1, m) for s in range(1, p)]
+    assert claims["ch07/sends_bound_formula_mismatches"] == []           # and for p = 2..8, m = 1..24
     assert gpipe == claims["ch07/exec_sends_bound_gpipe"] == [m] * p
 
 
@@ -82,6 +85,9 @@ def test_interleaved_and_zero_bubble_for_real(claims):
         assert claims[f"ch07/exec_bubble_error_{kind}"] <= 0.05, kind
         assert claims[f"ch07/exec_grad_max_abs_diff_{kind}"] < 1e-5, kind
         assert claims[f"ch07/exec_peak_inflight_{kind}"] == claims[f"ch07/exec_peak_inflight_sim_{kind}"], kind
+    # the executor counts one graph per micro-batch and chunk; in whole-stage units the first device holds
+    # p (1 + (p-1)/(p v)), the 5.5 the text cites for p = 4, v = 2 (Korthikanti et al. 2022)
+    assert claims["ch07/exec_stage0_inflight_stages_interleaved"] == pytest.approx(p * (1 + (p - 1) / (p * 2)))
     assert claims["ch07/zb_sim_bubble_max_abs_error"] < 1e-12            # the paper's formula
     assert claims["ch07/exec_peak_inflight_zb-h1"] == [min(p, m)] * p     # W keeps the graph alive longer
     assert claims["ch07/exec_zb_bytes_over_1f1b"] == pytest.approx([min(p, m) / min(p - s, m) for s in range(p)])
