@@ -175,11 +175,14 @@ def test_expert_parallel_equals_one_process(c: dict) -> None:
     assert c["ch11/ep_max_diff_float64"] < FLOAT64
     runs = set(c["ch11/ep_runs"])
     assert {f"{lay}/k={k}/by_hand" for lay in ("2x1", "4x1", "2x2") for k in (1, 2)} | {"2x1/k=2/torch"} == runs
+    # the load-balancing loss over the EP group's tokens is the one-process loss on them (EP over every rank)
+    assert c["ch11/ep_aux_loss_max_diff"] < FLOAT64
 
 
 def test_expert_parallel_bytes(c: dict) -> None:
     assert all(abs(v - 1) < EXACT for v in c["ch11/ep_sent_over_rows_crossed"].values())
     assert all(abs(v - 1) < EXACT for v in c["ch11/ep_counts_over_formula"].values())
+    assert all(abs(v - 1) < EXACT for v in c["ch11/ep_aux_allreduce_over_formula"].values())
     for key, ratios in c["ch11/ep_sent_over_even_formula"].items():
         # the formula is even routing; a random router sends more to some ranks, less to others
         assert 0.5 < sum(ratios) / len(ratios) < 1.5, key

@@ -90,7 +90,10 @@ def one_run(args: argparse.Namespace, ep: int, k: int, capacity_factor: float, a
         capacity=gather_per_rank(r.capacity),
         params=gather_per_rank({"router": sum(p.numel() for p in layer.router.parameters()),
                         "experts": sum(p.numel() for p in layer.experts.parameters())}),
-        grad_sync=gather_per_rank(sync_bytes))
+        grad_sync=gather_per_rank(sync_bytes),
+        # the load-balancing loss over the EP group's tokens: all the world's when EP spans it (dp = 1)
+        aux_diff=max_over_ranks(abs(float(layer.aux_loss) - float(full.aux_loss))) if dp == 1 else float("nan"),
+        aux_sent=gather_per_rank(counter.by_op.get("all_reduce", 0.0)))
 
 
 def main() -> None:

@@ -38,6 +38,8 @@ class EPRun:
     capacity: list[int]
     params: list[dict[str, int]]
     grad_sync: list[dict[str, float]]  # per rank: bytes all-reduced for the router (world) and experts (dp group)
+    aux_diff: float = float("nan")     # |EP layer's aux_loss - one process's| when EP spans the world (dp = 1)
+    aux_sent: list[float] = field(default_factory=list)  # per rank: bytes of the aux loss's all-reduce (by hand)
 
 
 @dataclass
