@@ -34,11 +34,12 @@ CPU profiler cannot see the free of a tensor allocated before it started.
 Why float64 for the equality check: the attention's key bias has a true
 gradient of exactly zero (adding the same vector to every key shifts each row
 of scores by a constant, which softmax ignores), so its float32 gradient is
-pure rounding noise, about 1e-10, whose value depends on the order of the
-sums. Adam divides by the root of the squared gradient, so noise becomes
-steps of about the learning rate in a random direction: two correct
-implementations that sum in different orders drift apart by ~lr there. In
-float64 the same comparison agrees to about 1e-13.
+pure rounding noise (about 1e-11 to 1e-10), whose value depends on the order
+of the sums. Adam divides by the root of the squared gradient plus eps, so it
+moves such a parameter by about lr * |g| / (|g| + eps) a step, in a direction
+set by rounding: two correct implementations that sum in different orders
+drift apart there by that much (chapter 08 prints it). In float64 the same
+comparison agrees to about 1e-13.
 """
 
 from __future__ import annotations
