@@ -331,9 +331,10 @@ def plan(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, mem
     per_rank = global_batch // dp
     mesh = (f" on {dp} data-parallel x {cfg.tp} tensor-parallel ranks" if cfg.tp > 1 else
             f" on {dp} data-parallel x {cfg.cp} context-parallel ranks" if cfg.cp > 1 else "")
-    why = [f"Chosen: {cfg.describe()}{mesh}. Predicted peak {best.peak['total'] / MiB:.1f} MiB of {budget_text} "
-           f"({_parts(best.peak)} MiB; the peak is in the {best.peak['where']}), about {best.samples_per_s:.0f} "
-           "samples/s."]
+    # the parts sum to the predicted peak, so they follow it, before the budget it must fit
+    why = [f"Chosen: {cfg.describe()}{mesh}. Predicted peak {best.peak['total'] / MiB:.1f} MiB per device "
+           f"({_parts(best.peak)} MiB; the peak is in the {best.peak['where']}), within a budget of {budget_text}; "
+           f"about {best.samples_per_s:.0f} samples/s."]
     bigger = [dataclasses.replace(cfg, micro_batch=m, accumulation_steps=per_rank // m)
               for m in range(cfg.micro_batch + 1, per_rank + 1) if per_rank % m == 0]
     bigger = [c for c in bigger if _pipelines(meas, c)]
