@@ -11,6 +11,7 @@ or two. Attacks on the grader are in ``test_grading_adversarial.py``.
 from __future__ import annotations
 
 import argparse
+import ast
 import csv
 import json
 import os
@@ -143,6 +144,27 @@ def test_chapters_01_and_02_have_exercises():
         # two to four questions each; chapter 07's fifth asks about PipeDream's weight versions
         most = 5 if path.stem.startswith("07_") else 4
         assert 2 <= n <= most, f"{path.name} has {n} questions; each exercise has two to {most}"
+
+
+def test_readmes_say_which_exercises_exist():
+    """The READMEs' chapter range for the exercises and their "three to five questions" are the files'."""
+    import re
+
+    numbers = sorted(int(p.name[:2]) for p in (ROOT / "exercises").glob("[0-9][0-9]_*.ipynb"))
+    assert numbers == list(range(numbers[0], numbers[-1] + 1)), \
+        f"the exercises skip a chapter ({numbers}): the READMEs' 'chapters NN-MM' no longer says which exist"
+    span = f"{numbers[0]:02d}-{numbers[-1]:02d}"
+    counts = [len(load_exercise(path.stem).questions) for path in SOLUTIONS]
+    words = dict(enumerate(["zero", "one", "two", "three", "four", "five", "six", "seven", "eight"]))
+    questions = f"{words[min(counts)]} to {words[max(counts)]} questions"
+    for name in ("README.md", "exercises/README.md"):
+        text = " ".join((ROOT / name).read_text().split())
+        sentences = [x for x in re.split(r"(?<=[.:;])\s+", text) if "exercise" in x.lower()]
+        ranges = [m for x in sentences for m in re.findall(r"[Cc]hapters? (\d\d-\d\d)\b", x)]
+        assert ranges and set(ranges) == {span}, \
+            f"{name} says the exercises are for chapters {sorted(set(ranges))}; exercises/ holds chapters {span}"
+        stated = re.findall(r"\b\w+ to \w+ questions\b", text)
+        assert stated and set(stated) == {questions}, f"{name} says {stated}; the exercises have {questions}"
 
 
 @pytest.fixture(scope="module")
@@ -341,6 +363,102 @@ def test_visible_tests_catch_the_mistakes_the_instructions_name(stem, tmp_path):
             assert q.status == "failed" and not q.hidden, f"{q.name}: the visible tests miss the mistake: {q}"
         else:
             assert q.status == "passed", q
+
+
+UNASKED_GUARDS = {  # checks in a solution that its instructions do not ask for: no test needs them
+    ("05_activation_checkpointing", "q1_fewest_segments"): {"n < 1"},
+    ("09_tensor_parallel", "q1_shard_shapes"): {"n_heads < 1"},
+    ("11_context_expert_parallel", "q2_ring_attention_sim"): {"not isinstance(c, int)"},
+    ("11_context_expert_parallel", "q4_exchange_splits"): {"ep < 1"},
+}
+
+
+def _forgotten_checks(source: str) -> list[tuple[str, str]]:
+    """``(check, source)``: the solution cell ``source`` as written by a learner who forgot one of its errors.
+
+    Each ``raise`` in turn becomes ``pass`` (``check`` is the ``if`` test it sits under, else the raise), and
+    each part of an ``if a or b: raise`` test is dropped in turn (``check`` is that part).
+    """
+    def raises(tree: ast.AST) -> list[ast.Raise]:
+        return [n for n in ast.walk(tree) if isinstance(n, ast.Raise) and n.exc is not None]
+
+    def parents(tree: ast.AST) -> dict[ast.AST, ast.AST]:
+        return {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+
+    out = []
+    for i in range(len(raises(ast.parse(source)))):
+        tree = ast.parse(source)
+        node, guard = raises(tree)[i], parents(tree)[raises(tree)[i]]
+        guarded = isinstance(guard, ast.If) and node in guard.body
+        check = ast.unparse(guard.test) if guarded else ast.unparse(node)
+        body = next(b for b in (getattr(guard, f, None) for f in ("body", "orelse", "finalbody"))
+                    if isinstance(b, list) and node in b)
+        body[body.index(node)] = ast.Pass()
+        out.append((check, ast.unparse(tree)))
+        if guarded and isinstance(guard.test, ast.BoolOp) and isinstance(guard.test.op, ast.Or):
+            for j in range(len(guard.test.values)):
+                tree = ast.parse(source)
+                guard = parents(tree)[raises(tree)[i]]
+                kept = [v for k, v in enumerate(guard.test.values) if k != j]
+                check = ast.unparse(guard.test.values[j])
+                guard.test = kept[0] if len(kept) == 1 else ast.BoolOp(op=ast.Or(), values=kept)
+                out.append((check, ast.unparse(tree)))
+    return out
+
+
+def _visible_test_error(ex, question, solution: str | None = None) -> str | None:
+    """Run the notebook's plain and solution cells (``solution`` in place of the question's own), then the
+    question's visible test, top to bottom in one namespace as nbgrader would; the error it ends in, or None."""
+    import random
+
+    import torch
+
+    ns: dict = {"__name__": "__main__"}
+    state, threads = random.getstate(), torch.get_num_threads()
+    # one thread, as the grader's kernels run: these tensors are tiny, and on a busy machine two threads wait on
+    # each other at every operation (chapter 05's visible test took 3 s with two threads, 0.06 s with one)
+    torch.set_num_threads(1)
+    with torch.random.fork_rng():
+        try:
+            for cell in ex.notebook.cells:
+                if cell.cell_type == "code" and not is_test_cell(cell) and cell.source.strip():
+                    own = solution is not None and grade_id(cell) == question.solution_id
+                    exec(compile(solution if own else cell.source, ex.name, "exec"), ns)
+            random.seed(0), torch.manual_seed(0)  # as the grader does before each test's inputs
+            for section in (question.visible.inputs, question.visible.answers, question.visible.checks):
+                exec(section.code(question.name), ns)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        finally:
+            random.setstate(state)
+            torch.set_num_threads(threads)
+    return None
+
+
+@pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.stem)
+def test_every_error_the_instructions_ask_for_has_a_visible_test(solution):
+    """An answer that forgets one of the errors its question asks for (a ``ValueError`` for a bad argument)
+    fails a visible test, so `course check` says so before the hidden tests would."""
+    ex = load_exercise(solution.stem)
+    missed = []
+    for q in ex.questions:
+        if not q.is_implementation:
+            continue
+        source = next(c.source for c in ex.notebook.cells if grade_id(c) == q.solution_id)
+        allowed = UNASKED_GUARDS.get((solution.stem, q.solution_id), set())
+        forgotten = _forgotten_checks(source)
+        if not forgotten:
+            continue
+        error = _visible_test_error(ex, q)
+        assert error is None, f"{q.name}: the visible test does not pass on its own with the solution: {error}"
+        for check, wrong in forgotten:
+            if check not in allowed and _visible_test_error(ex, q, wrong) is None:
+                missed.append(f"{q.solution_id}: without `{check}`")
+        stale = allowed - {check for check, _ in forgotten}
+        assert not stale, f"UNASKED_GUARDS names checks {q.solution_id} no longer has: {stale}"
+    assert not missed, ("every visible test still passes on an answer that forgets an error its question asks "
+                        "for; add a visible test of it, named as the instructions name it (or, if they do not ask "
+                        "for it, list it in UNASKED_GUARDS):\n  " + "\n  ".join(missed))
 
 
 # ----- generation ------------------------------------------------------------------------------
