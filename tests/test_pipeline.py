@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -140,6 +142,23 @@ def test_gantt_draws_one_row_per_stage():
     assert isinstance(sim.timings[0], OpTiming)
 
 
+def test_gantt_legend_names_every_colour_and_shade():
+    sim = simulate(make_schedule("interleaved", 2, 4, chunks=2))
+    ax = plots.gantt(sim.timings, 2, "interleaved", notes=("a note",)).axes[0]
+    handles = ax.get_legend().legend_handles
+    labels = [h.get_label() for h in handles]
+    assert labels == ["forward (F), chunk a", "forward (F), chunk b", "backward (B), chunk a",
+                      "backward (B), chunk b", "number in a bar: micro-batch, letter: the device's chunk", "a note"]
+    assert handles[0].get_alpha() == 1.0 and handles[1].get_alpha() < 1.0    # the second chunk: lighter
+    assert handles[0].get_facecolor()[:3] == handles[1].get_facecolor()[:3] != handles[2].get_facecolor()[:3]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["device 0", "device 1"]
+    assert ax.get_ylabel() == "device (2 model chunks each)"
+    zb = plots.gantt(simulate(make_schedule("zb-h1", 2, 2)).timings, 2, "zb", row_label="rank").axes[0]
+    assert [h.get_label() for h in zb.get_legend().legend_handles][:3] == [
+        "forward (F)", "input gradient (B)", "weight gradient (W)"]
+    assert [t.get_text() for t in zb.get_yticklabels()] == ["rank 0", "rank 1"] and zb.get_ylabel() == "rank"
+
+
 # ----- interleaved 1F1B ------------------------------------------------------------
 
 
@@ -242,6 +261,90 @@ def test_split_backward_gives_the_same_gradients():
         torch.testing.assert_close(a, b)
 
 
+def _stage_and_input(s: int, p: int = 3):
+    """Stage ``s`` of the chapter's TinyTransformer cut into ``p`` stages, a copy of it, and its input."""
+    from course_lib.models import TinyTransformer
+    torch.manual_seed(0)
+    model = TinyTransformer(vocab=64, d_model=32, n_heads=2, n_layers=2 * p - 2, max_len=16)
+    stages = split_sequential(model.as_sequential(), p)
+    h = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        for st in stages[:s]:
+            h = st(h)
+    return stages[s], copy.deepcopy(stages[s]), h
+
+
+@pytest.mark.parametrize("s", [0, 1, 2])
+def test_split_backward_runs_each_op_of_one_backward_once(s):
+    """B + W run exactly the ATen ops of one backward(): nothing computed twice, no weight product in B."""
+    from course_lib.distributed.pipeline_split import (OpCounter, backward_input, backward_weight,
+                                                       recording_activations)
+    stage, twin, h = _stage_and_input(s)
+    x = h if s == 0 else h.clone().requires_grad_()
+    with recording_activations(stage) as acts:
+        y = stage(x)
+    g = torch.randn_like(y)
+    with OpCounter(views=True) as b:
+        dx, pending = backward_input(y, g, x, acts, list(stage.parameters()))
+    with OpCounter(views=True) as w:
+        backward_weight(pending)
+    x1 = h if s == 0 else h.clone().requires_grad_()
+    y1 = twin(x1)
+    with OpCounter(views=True) as one:
+        y1.backward(g)
+    # views counted too: backward() stores the input's gradient in x.grad with one detach; B returns it instead
+    stored = {"detach": 1} if s > 0 else {}
+    assert b.counts + w.counts + collections.Counter(stored) == one.counts, (b.counts, w.counts, one.counts)
+    linears = sum(isinstance(m, nn.Linear) for m in stage.modules())
+    assert b.counts["mm"] == w.counts["mm"] == linears                  # dX = dY A in B, dA = dY^T X in W
+    assert w.counts["native_layer_norm_backward"] == 2 * b.counts["native_layer_norm_backward"]  # its 2 weights
+    assert not {"bmm", "gelu_backward", "_softmax_backward_data"} & set(w.counts)   # no activation chain in W
+    assert "embedding_dense_backward" not in b.counts                    # a lookup's backward is weight side
+    for p_, q in zip(stage.parameters(), twin.parameters()):
+        torch.testing.assert_close(p_.grad, q.grad)
+    if s > 0:
+        torch.testing.assert_close(dx, x1.grad)
+    else:
+        assert dx is None                                                # stage 0: the input is data
+
+
+def test_split_backward_in_the_executor_counts_and_grads():
+    """On one rank the whole model is stage 0: ZB-H1's B_i + W_i equal 1F1B's B_i, op for op, and the gradients too.
+
+    (Views left out: the executor's activation count unpacks saved tensors through a hook, one view each time.)
+    """
+    from course_lib.models import TinyTransformer, lm_loss
+    xs = [torch.randint(0, 64, (2, 16)) for _ in range(3)]
+    ys = [torch.randint(0, 64, (2, 16)) for _ in range(3)]
+    runs, grads = {}, {}
+    for kind in ("1f1b", "zb-h1"):
+        torch.manual_seed(0)
+        model = TinyTransformer(vocab=64, d_model=32, n_heads=2, n_layers=2, max_len=16)
+        runs[kind] = run_stage(model.as_sequential(), make_schedule(kind, 1, 3), 0, ((2, 16), torch.int64),
+                               inputs=xs, targets=ys, loss_fn=lm_loss, count_ops=True)
+        grads[kind] = [p.grad.clone() for p in model.parameters()]
+    for a, b in zip(grads["1f1b"], grads["zb-h1"]):
+        torch.testing.assert_close(a, b)
+    counts = {kind: {(op, i): collections.Counter(n) for (op, i, *_), n in zip(r.busy, r.op_counts)}
+              for kind, r in runs.items()}
+    for i in range(3):
+        zb, one = counts["zb-h1"], counts["1f1b"]
+        assert zb[("B", i)] + zb[("W", i)] == one[("B", i)], i
+        assert zb[("F", i)] == one[("F", i)]
+        assert zb[("B", i)]["mm"] == zb[("W", i)]["mm"] > 0
+
+
+def test_split_backward_refuses_a_weight_used_twice():
+    from course_lib.distributed.pipeline_split import backward_input, recording_activations
+    layer = nn.Linear(4, 4)
+    stage = nn.Sequential(layer, nn.Tanh(), layer)                       # the same weight in two ops
+    x = torch.randn(2, 4, requires_grad=True)
+    with recording_activations(stage) as acts:
+        y = stage(x)
+    with pytest.raises(ValueError, match="used by two ops"):
+        backward_input(y, torch.ones_like(y), x, acts, list(stage.parameters()))
+
+
 # ----- sends are freed as soon as the peer has them ------------------------------------
 
 
@@ -251,6 +354,7 @@ def test_sends_are_released_once_the_peer_has_them():
         for s in range(p):
             bound = peak_sends_held(make_schedule("1f1b", p, m), s)
             assert bound <= min(p - s, m) + 1, (p, m, s)          # whatever m: the stage's in-flight count + 1
+            assert bound == (min(p, m) if s == 0 else min(p - s + 1, m)), (p, m, s)   # the docstring's bound
             assert peak_sends_held(make_schedule("zb-h1", p, m), s) <= min(p - s, m) + 1
             if 0 < s:                                             # GPipe's stages hold all m anyway
                 assert peak_sends_held(make_schedule("gpipe", p, m), s) == m
@@ -431,8 +535,19 @@ def test_real_pipeline_matches_sequential_and_formula():
     result = PipelineResult.from_dict(launch.run(
         "course_lib.workers.pipeline_run", nproc=p, timeout=300, env={"COURSE_DIST_BACKEND": "gloo"},
         args=["--api", "both", "--schedules", "gpipe,1f1b,zb-h1,interleaved", "--microbatches", str(m),
-              "--t-forward-ms", "50", "--t-backward-ms", "100", "--repeats", "2"]))
+              "--t-forward-ms", "50", "--t-backward-ms", "100", "--repeats", "2", "--unpadded", "1f1b,zb-h1"]))
     assert result.world == p and result.backend == "gloo" and result.clock == "perf_counter"
+    # counted on every rank: ZB-H1's B + W run exactly 1F1B's backward's ops, micro-batch by micro-batch
+    counts = {r.kind: {(s, op, i): collections.Counter(n) for s, op, i, _, n in r.op_counts} for r in result.counted}
+    zb, one = counts["zb-h1"], counts["1f1b"]
+    assert {k for k in zb if k[1] == "W"} == {(s, "W", i) for s in range(p) for i in range(p)}   # m = p
+    for s, op, i in one:
+        if op == "B":
+            assert zb[(s, "B", i)] + zb[(s, "W", i)] == one[(s, "B", i)], (s, i)
+            assert zb[(s, "B", i)]["mm"] == zb[(s, "W", i)]["mm"] > 0 and zb[(s, "W", i)]["bmm"] == 0
+    assert [r.kind for r in result.unpadded] == ["1f1b", "zb-h1"]
+    for run in result.unpadded:
+        assert not run.padded and run.grad_max_abs_diff < 1e-5 and run.output_max_abs_diff < 1e-5, run.kind
     runs = {r.kind: r for r in result.handmade}
     for run in result.handmade:
         assert run.output_max_abs_diff < 1e-5 and run.grad_max_abs_diff < 1e-5, run

@@ -10,9 +10,11 @@
 - ``("B", i)``: receives the gradient of that output from the next rank (the
   last stage starts from its loss), back-propagates through its layers, which
   adds to the parameters' ``.grad``, and sends the input's gradient back;
-- ``("W", i)`` (zero-bubble schedules): the backward is split, ``B`` computes
-  only the input's gradient, which the previous rank waits for, and ``W`` the
-  weights' gradients later, which nobody waits for;
+- ``("W", i)`` (zero-bubble schedules): the backward is split
+  (``pipeline_split``): ``B`` computes only the activations' gradients, down
+  to the input's, which the previous rank waits for, and keeps the gradient
+  at each op that uses a weight; ``W`` later computes from those only the
+  weights' gradients, which nobody waits for. No op runs in both;
 - ``("F", i, c)`` (interleaved schedules): the same on the rank's model chunk
   ``c``; chunk ``c`` of rank ``d`` is virtual stage ``c p + d``, so messages
   go round the ranks ``v`` times (rank ``p - 1`` sends on to rank 0).
@@ -34,22 +36,26 @@ only completes once the peer has posted its receive. The rank frees it as
 soon as it *knows* that: when a message arrives from that peer which the peer
 sent after taking ours (``pipeline_messages.send_releases``). Kept until the end of the step,
 the sends of a 1F1B stage would hold all ``m`` boundary tensors; released,
-they hold about as many as the stage has micro-batches in flight.
+they hold at most ``min(p - s + 1, m)`` on stage ``s`` (stage 0: ``min(p, m)``).
 
-For the bubble measurement each op can be padded to a fixed duration
+The execution and its instruments are apart: the loop runs the ops on
+``MicroBatch`` records (one per micro-batch in flight) and calls a ``Meter``
+around each op, which times it, pads it and counts the memory kept. For the
+bubble measurement each op can be padded to a fixed duration
 (``op_seconds``): the real work runs, then the rank waits until the op's time
 is up. On the CPU it sleeps, leaving the core to the others like a host that
 waits for its GPU, so ``p`` ranks on two shared cores still see equal stage
 costs; on a GPU a spin kernel keeps the stream busy (``clock.CudaClock``),
 and CUDA events time the ops, since a NCCL receive returns to Python before
 its data has arrived. The idle time left is the schedule's bubble plus
-messaging delays.
+messaging delays. Without ``op_seconds`` the ops take what their work takes.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -59,6 +65,8 @@ from course_lib.distributed.clock import Clock, clock_for
 from course_lib.distributed.pipeline import Schedule, check_schedule, num_chunks
 from course_lib.distributed.pipeline_messages import (message_batches, op_links,  # noqa: F401 (re-exported)
                                                       peak_sends_held, send_releases)
+from course_lib.distributed.pipeline_split import (OpCounter, WeightGrads, backward_input, backward_weight,
+                                                   recording_activations)
 from course_lib.memory import saved_activation_bytes
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -116,6 +124,107 @@ class StageRun:
     outputs: list[torch.Tensor] = field(default_factory=list)   # last stage: each micro-batch's output
     losses: list[float] = field(default_factory=list)           # last stage: each micro-batch's loss
     clock: str = "perf_counter"                    # what measured the times
+    op_counts: list[dict[str, int]] = field(default_factory=list)  # with count_ops: each busy op's ATen ops
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch on one model chunk, from its forward until its backward has freed its graph."""
+
+    x: torch.Tensor                                # what entered the chunk (its gradient goes back)
+    out: torch.Tensor                              # what left it; on the last virtual stage its loss / m
+    nbytes: int                                    # the activation bytes its forward saved
+    activations: set = field(default_factory=set)  # split backward: the forward's activation nodes, for B
+    weight_grads: WeightGrads | None = None        # split backward: what B left for W
+
+
+class Meter:
+    """The instruments of one rank: op times (padded to ``op_seconds``), memory kept, messages sent.
+
+    The execution calls it and reads nothing back from it. ``count_ops``
+    counts the ATen ops of every op (``pipeline_split.OpCounter``), which slows
+    them: for counting runs, not for timed ones.
+    """
+
+    def __init__(self, clock: Clock, op_seconds: dict[str, float] | None = None, count_ops: bool = False):
+        self.clock, self.op_seconds, self.count_ops = clock, op_seconds, count_ops
+        self.marks: list[tuple[str, int, object, object, int]] = []   # (op, mb, began, ended, chunk), clock marks
+        self.pads: list[object] = []                # resolved into overruns at the end (on CUDA that syncs)
+        self.op_counts: list[dict[str, int]] = []
+        self.alive_bytes = self.peak_bytes = self.peak_inflight = 0
+        self.peak_held = self.messages = self.bytes_sent = 0
+
+    @contextlib.contextmanager
+    def op(self, kind: str, i: int, c: int) -> Iterator[None]:
+        """Time the block as op ``kind`` of micro-batch ``i`` on chunk ``c``; pad it before its result leaves."""
+        began = self.clock.mark()
+        counter = OpCounter() if self.count_ops else None
+        with counter if counter is not None else contextlib.nullcontext():
+            yield
+        if counter is not None:
+            self.op_counts.append(dict(counter.counts))
+        if self.op_seconds is not None:
+            self.pads.append(self.clock.pad(began, self.op_seconds[kind]))
+        self.marks.append((kind, i, began, self.clock.mark(), c))
+
+    def kept(self, nbytes: int, inflight: int) -> None:
+        """A forward kept a graph of ``nbytes`` saved activations; ``inflight`` graphs are kept now."""
+        self.alive_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.alive_bytes)
+        self.peak_inflight = max(self.peak_inflight, inflight)
+
+    def freed(self, nbytes: int) -> None:
+        self.alive_bytes -= nbytes
+
+    def sent(self, nbytes: int, held: int) -> None:
+        """A message of ``nbytes`` left; ``held`` sent tensors are kept alive now."""
+        self.messages, self.bytes_sent = self.messages + 1, self.bytes_sent + nbytes
+        self.peak_held = max(self.peak_held, held)
+
+    def result(self, rank: int, start: object, end: object, outputs: list[torch.Tensor],
+               losses: list[float]) -> StageRun:
+        sec = self.clock.seconds
+        return StageRun(rank, sec(start), sec(end), busy=[(op, i, sec(b), sec(e)) for op, i, b, e, _ in self.marks],
+                        busy_chunks=[c for *_, c in self.marks], peak_inflight=self.peak_inflight,
+                        peak_activation_bytes=self.peak_bytes, peak_sends_held=self.peak_held,
+                        sent_messages=self.messages, sent_bytes=self.bytes_sent,
+                        overruns=sum(self.clock.overran(t) for t in self.pads), outputs=outputs, losses=losses,
+                        clock=self.clock.name, op_counts=self.op_counts)
+
+
+class Mailbox:
+    """One rank's messages: batch ``k`` (op ``k - 1``'s send, op ``k``'s receive) posted between two ops.
+
+    It keeps each sent tensor until a later receive proves that the peer has
+    it (``send_releases``), and reports what it sends to the meter.
+    """
+
+    def __init__(self, schedule: Schedule, rank: int, meter: Meter):
+        world, v = len(schedule), num_chunks(schedule)
+        self.batches = message_batches([tuple(o) for o in schedule[rank]], rank, world, v)
+        self.releases = send_releases(schedule, rank)
+        self.held: dict[int, tuple[comm.Exchange, torch.Tensor]] = {}   # op -> its send, tensor kept until done
+        self.meter = meter
+
+    def exchange(self, k: int, outgoing: torch.Tensor | None, into: torch.Tensor | None = None) -> None:
+        """Post batch ``k``: ``outgoing`` (op ``k - 1``'s result) and op ``k``'s receive into ``into``.
+
+        Waits for the receive only (the rank idles here); the send completes in the background.
+        """
+        sends, recvs = self.batches[k]
+        ex = comm.exchange([comm.Message(outgoing, *s) for s in sends], [comm.Message(into, *r) for r in recvs])
+        if sends:
+            self.held[k - 1] = (ex, outgoing)
+            self.meter.sent(outgoing.nbytes, len(self.held))
+        if recvs:
+            ex.wait_received()
+            for j in [j for j in self.held if self.releases[j] is not None and self.releases[j] <= k]:
+                self.held.pop(j)[0].wait()        # returns at once: the peer has the message
+
+    def finish(self) -> None:
+        """Wait until every send still held has left."""
+        for ex, _ in self.held.values():
+            ex.wait()
 
 
 def run_stage(stage: nn.Module | Sequence[nn.Module], schedule: Schedule, rank: int, in_shape: Shape | Sequence[Shape],
@@ -123,7 +232,7 @@ def run_stage(stage: nn.Module | Sequence[nn.Module], schedule: Schedule, rank: 
               loss_fn: LossFn | None = None, op_seconds: dict[str, float] | None = None,
               device: torch.device | str = "cpu", clock: Clock | None = None,
               weights: Callable[[int], dict[str, torch.Tensor]] | None = None,
-              after_backward: Callable[[int], None] | None = None) -> StageRun:
+              after_backward: Callable[[int], None] | None = None, count_ops: bool = False) -> StageRun:
     """Run ``schedule[rank]``, this rank's ops; gradients accumulate in ``stage`` (chapter 07).
 
     ``stage`` is this rank's module, or its ``v`` chunks for an interleaved
@@ -137,9 +246,9 @@ def run_stage(stage: nn.Module | Sequence[nn.Module], schedule: Schedule, rank: 
     barrier that starts the ranks together. PipeDream (``pipedream``) hooks in
     with ``weights(i)`` (the parameters micro-batch ``i``'s forward runs on:
     a stashed copy) and ``after_backward(i)`` (apply its gradient, step).
+    ``count_ops`` records each op's ATen ops in ``StageRun.op_counts``.
     """
     world, num_mb, split = check_schedule(schedule)
-    order = [tuple(o) for o in schedule[rank]]
     v = num_chunks(schedule)
     chunks = list(stage) if isinstance(stage, (list, tuple)) else [stage]
     shapes = list(in_shape) if v > 1 else [in_shape]
@@ -158,105 +267,74 @@ def run_stage(stage: nn.Module | Sequence[nn.Module], schedule: Schedule, rank: 
         raise ValueError(f"the last stage needs loss_fn and one target per micro-batch ({num_mb})")
     clock = clock or clock_for(device)
     params = [list(ch.parameters()) for ch in chunks]
-    batches = message_batches(order, rank, world, v)
-    releases = send_releases(schedule, rank)
-    held: dict[int, tuple[comm.Exchange, torch.Tensor]] = {}   # op k -> its send, tensor kept until it is done
-    graphs: dict[tuple[int, int], list] = {}        # (mb, chunk) -> [input, output or loss, bytes, grad]
-    marks, pads, outputs, losses = [], [], [], []   # resolved into seconds at the end (on CUDA that syncs)
-    alive_bytes = peak_inflight = peak_bytes = peak_held = 0
-    outgoing: torch.Tensor | None = None            # what the previous op sends
-    traffic = [0, 0]                                # messages and bytes sent
+    meter = Meter(clock, op_seconds, count_ops)
+    mail = Mailbox(schedule, rank, meter)
+    inflight: dict[tuple[int, int], MicroBatch] = {}   # (micro-batch, chunk) -> its record until freed
+    outputs: list[torch.Tensor] = []
+    losses: list[torch.Tensor] = []
+    outgoing: torch.Tensor | None = None              # what the op just run sends
     start = clock.start()
 
-    def post(k: int, buf: torch.Tensor | None) -> comm.Exchange:
-        """Batch k: the previous op's send and this op's receive into ``buf``, posted together."""
-        nonlocal peak_held
-        sends, recvs = batches[k]
-        ex = comm.exchange([comm.Message(outgoing, *s) for s in sends], [comm.Message(buf, *r) for r in recvs])
-        if sends:
-            traffic[0], traffic[1] = traffic[0] + 1, traffic[1] + outgoing.nbytes
-            held[k - 1] = (ex, outgoing)
-            peak_held = max(peak_held, len(held))
-        return ex
+    def forward(i: int, c: int, x: torch.Tensor, at_end: bool) -> MicroBatch:
+        """Run chunk ``c`` on ``x``, keeping its graph; the last virtual stage turns the output into the loss."""
+        held: list[torch.Tensor] = []
+        w = weights(i) if weights else None           # PipeDream: this micro-batch's stashed copy
+        run = (lambda: held.append(torch.func.functional_call(chunks[c], w, (x,)))) if w is not None \
+            else (lambda: held.append(chunks[c](x)))
+        with recording_activations(chunks[c]) if split else contextlib.nullcontext(set()) as activations:
+            nbytes = saved_activation_bytes(run, exclude=params[c] + list((w or {}).values()))
+        y = held[0]
+        if not at_end:
+            return MicroBatch(x, y, nbytes, activations)
+        loss = loss_fn(y, targets[i].to(device)) / div
+        outputs.append(y.detach())
+        losses.append(loss.detach())
+        return MicroBatch(x, loss, nbytes, activations)
 
-    def release(k: int) -> None:
-        """Op k's receive is in: free every send that it proves delivered."""
-        for j in [j for j in held if releases[j] is not None and releases[j] <= k]:
-            held.pop(j)[0].wait()                 # returns at once: the peer has the message
-
-    for k, (op, i, *rest) in enumerate(order):
-        c = rest[0] if rest else 0
+    for k, op in enumerate(schedule[rank]):
+        kind, i, c = op[0], op[1], (op[2] if len(op) == 3 else 0)
         vs = c * world + rank
         at_start, at_end = vs == 0, vs == world * v - 1
-        if op == "F":
+        if kind == "F":
             if at_start:
-                post(k, None)
+                mail.exchange(k, outgoing)
                 x = inputs[i].to(device)
-            else:                                         # wait (idle) for the previous stage
+            else:                                     # wait (idle) for the previous stage
                 shape, dtype = shapes[c]
                 x = torch.empty(shape, dtype=dtype, device=device)
-                post(k, x).wait_received()
-                release(k)
-                x.requires_grad_(True)                    # we will send its gradient back
-            began = clock.mark()
-            holder: list[torch.Tensor] = []
-            w = weights(i) if weights else None           # PipeDream: this micro-batch's stashed copy
-            run = (lambda: holder.append(torch.func.functional_call(chunks[c], w, (x,)))) if w is not None \
-                else (lambda: holder.append(chunks[c](x)))
-            nbytes = saved_activation_bytes(run, exclude=params[c] + list((w or {}).values()))
-            y = holder[0]
-            if at_end:
-                loss = loss_fn(y, targets[i].to(device)) / div
-                outputs.append(y.detach())
-                losses.append(loss.detach())
-            graphs[(i, c)] = [x, loss if at_end else y, nbytes, None]
-            alive_bytes += nbytes
-            peak_inflight, peak_bytes = max(peak_inflight, len(graphs)), max(peak_bytes, alive_bytes)
-            outgoing = None if at_end else y.detach().contiguous()
-        elif op == "B":
-            x, y, nbytes, _ = graphs[(i, c)]
-            if at_end:
-                post(k, None)
-                grad = None                               # y is this micro-batch's loss / m
-            else:                                         # wait (idle) for the next stage's gradient
-                grad = torch.empty_like(y)
-                post(k, grad).wait_received()
-                release(k)
-            began = clock.mark()
-            if not split:                                 # input and weight gradients in one pass
-                y.backward(grad)
-                graphs.pop((i, c))
-                alive_bytes -= nbytes                     # the graph of micro-batch i is freed here
-                if after_backward:
-                    after_backward(i)
-            else:                                         # the input gradient only; keep the graph for W
-                graphs[(i, c)][3] = grad
-                if not at_start:
-                    x.grad, = torch.autograd.grad(y, x, grad, retain_graph=True)
-            outgoing = None if at_start else x.grad.contiguous()
-        else:                                             # W: the weight gradient, deferred
-            post(k, None)
-            x, y, nbytes, grad = graphs.pop((i, c))
-            began = clock.mark()
-            # autograd walks the stage's graph again to reach the weights (the input-gradient chain
-            # inside the stage is recomputed; torch's pipelining keeps those intermediate gradients).
-            y.backward(grad, inputs=params[c])
-            alive_bytes -= nbytes
+                mail.exchange(k, outgoing, into=x)
+                x.requires_grad_(True)                # we will send its gradient back
+            with meter.op(kind, i, c):
+                mb = inflight[(i, c)] = forward(i, c, x, at_end)
+                meter.kept(mb.nbytes, len(inflight))
+                outgoing = None if at_end else mb.out.detach().contiguous()
+        elif kind == "B":
+            mb = inflight[(i, c)]
+            grad = None if at_end else torch.empty_like(mb.out)   # None: the loss starts the backward
+            mail.exchange(k, outgoing, into=grad)     # wait (idle) for the next stage's gradient
+            with meter.op(kind, i, c):
+                if split:                             # activations' gradients only; the graph stays for W
+                    dx, mb.weight_grads = backward_input(mb.out, grad, mb.x, mb.activations, params[c])
+                    mb.activations = set()
+                else:                                 # input and weight gradients in one pass
+                    mb.out.backward(grad)
+                    dx = mb.x.grad
+                    del inflight[(i, c)]              # the graph of micro-batch i is freed here
+                    meter.freed(mb.nbytes)
+                    if after_backward:
+                        after_backward(i)
+                outgoing = None if at_start else dx.contiguous()
+        else:                                         # W: the weights' gradients, from what B kept
+            mail.exchange(k, outgoing)
+            mb = inflight.pop((i, c))
+            with meter.op(kind, i, c):
+                backward_weight(mb.weight_grads)
+                meter.freed(mb.nbytes)
             outgoing = None
-        if op_seconds is not None:                    # the op's time is up before its result leaves
-            pads.append(clock.pad(began, op_seconds[op]))
-        marks.append((op, i, began, clock.mark(), c))
-    post(len(order), None)
-    for ex, _ in held.values():
-        ex.wait()
+    mail.exchange(len(schedule[rank]), outgoing)
+    mail.finish()
     end = clock.mark()
-    return StageRun(rank, clock.seconds(start), clock.seconds(end),
-                    busy=[(op, i, clock.seconds(b), clock.seconds(e)) for op, i, b, e, _ in marks],
-                    busy_chunks=[c for *_, c in marks], peak_inflight=peak_inflight,
-                    peak_activation_bytes=peak_bytes, peak_sends_held=peak_held,
-                    sent_messages=traffic[0], sent_bytes=traffic[1],
-                    overruns=sum(clock.overran(t) for t in pads), outputs=[o.cpu() for o in outputs],
-                    losses=[loss.item() * div for loss in losses], clock=clock.name)
+    return meter.result(rank, start, end, [o.cpu() for o in outputs], [loss.item() * div for loss in losses])
 
 
 def measured_bubble(runs: Sequence[StageRun]) -> dict[str, float]:

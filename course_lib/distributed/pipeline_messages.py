@@ -62,7 +62,9 @@ def message_batches(order: Sequence[tuple], rank: int, world: int,
 def peak_sends_held(schedule: Schedule, rank: int) -> int:
     """The most sent tensors ``rank`` keeps alive at once under ``send_releases``: the schedule's bound.
 
-    1F1B: at most ``min(p - s, m) + 1`` on stage ``s`` whatever ``m``; GPipe: ``m``.
+    1F1B (``p >= 2``): ``min(p, m)`` on stage 0 (its warm-up's activations) and
+    ``min(p - s + 1, m)`` on a later stage ``s`` (its cool-down's gradients),
+    whatever ``m`` (chapter 07 checks this for p = 2..8, m = 1..24); GPipe: ``m``.
     """
     world, v = len(schedule), num_chunks(schedule)
     rel = send_releases(schedule, rank)

@@ -13,6 +13,7 @@ from typing import Mapping, Sequence
 
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 
 
 def figures_dir() -> Path:
@@ -69,33 +70,52 @@ def stacked_bars(parts: Mapping[str, Mapping[str, float]], title: str, ylabel: s
 
 
 def gantt(timings: Sequence, num_stages: int, title: str, time_unit: str = "time units",
-          colors: Mapping[str, str] | None = None) -> Figure:
+          colors: Mapping[str, str] | None = None, row_label: str | None = None,
+          notes: Sequence[str] = ()) -> Figure:
     """A pipeline Gantt chart: one row per stage (stage 0 on top), one bar per op, its micro-batch written in it.
 
     ``timings`` holds objects with ``stage, op, microbatch, start, end`` (and ``chunk``)
     attributes (``pipeline.OpTiming``) or tuples in that order; ``op`` is ``"F"``,
     ``"B"`` or ``"W"``. In an interleaved schedule a bar reads ``3b``: micro-batch 3 on
-    the device's second model chunk, drawn lighter. White space between bars is the bubble (chapter 07).
+    the device's second model chunk, drawn lighter. The legend names every colour and
+    shade drawn, what the bars' labels mean, and any ``notes``. ``row_label`` names a
+    row (default ``"stage"``, or ``"device"`` when a row holds several chunks). White
+    space between bars is the bubble (chapter 07).
     """
     colors = dict(colors or {"F": "tab:blue", "B": "tab:orange", "W": "tab:green"})
-    names = {"F": "forward", "B": "backward", "W": "weight gradient"}
     rows = [(t.stage, t.op, t.microbatch, t.start, t.end, getattr(t, "chunk", 0)) if hasattr(t, "stage")
             else (*tuple(t), 0)[:6] for t in timings]
     chunks = 1 + max((r[5] for r in rows), default=0)
-    fig, ax = plt.subplots(figsize=(9, 0.5 * num_stages + 1.6))
-    seen: set[str] = set()
+    split = any(r[1] == "W" for r in rows)
+    names = {"F": "forward (F)", "B": "input gradient (B)" if split else "backward (B)",
+             "W": "weight gradient (W)"}
+
+    def shade(chunk: int) -> float:                  # chunk 0 full colour, the last one lightest
+        return 1.0 - 0.45 * chunk / max(chunks - 1, 1)
+
+    fig, ax = plt.subplots(figsize=(11.5, 0.5 * num_stages + 1.6))  # room for the legend beside the chart
     for stage, op, mb, start, end, chunk in rows:
         ax.broken_barh([(start, end - start)], (stage - 0.4, 0.8), facecolors=colors.get(op, "tab:gray"),
-                       alpha=1.0 - 0.45 * chunk / max(chunks - 1, 1), edgecolor="white", linewidth=0.5,
-                       label=None if op in seen else names.get(op, op))
-        seen.add(op)
+                       alpha=shade(chunk), edgecolor="white", linewidth=0.5)
         if end - start > 0:
             label = f"{mb}{'abcdefgh'[chunk % 8]}" if chunks > 1 else str(mb)
             ax.text((start + end) / 2, stage, label, ha="center", va="center", fontsize=7, color="white")
-    ax.set_yticks(range(num_stages), [f"stage {s}" for s in range(num_stages)])
+    # one swatch per (op, chunk) drawn, in the order F, B, W and chunk a, b, ...
+    drawn = {(r[1], r[5]) for r in rows}
+    order = [o for o in ("F", "B", "W") if any(d[0] == o for d in drawn)]
+    order += sorted({d[0] for d in drawn} - set(order))
+    handles = [Patch(facecolor=colors.get(op, "tab:gray"), alpha=shade(c),
+                     label=names.get(op, op) + (f", chunk {'abcdefgh'[c % 8]}" if chunks > 1 else ""))
+               for op in order for c in range(chunks) if (op, c) in drawn]
+    key = "number in a bar: micro-batch" + (", letter: the device's chunk" if chunks > 1 else "")
+    handles += [Patch(facecolor="none", edgecolor="none", label=text) for text in (key, *notes)]
+    row = row_label or ("device" if chunks > 1 else "stage")
+    ax.set_yticks(range(num_stages), [f"{row} {s}" for s in range(num_stages)])
     ax.set_ylim(num_stages - 0.5, -0.5)  # stage 0 on top, as data flows down the page
-    ax.set(title=title, xlabel=f"time ({time_unit})", ylabel="pipeline stage")
+    ylabel = {"stage": "pipeline stage", "device": f"device ({chunks} model chunks each)" if chunks > 1
+              else "device"}.get(row, row)
+    ax.set(title=title, xlabel=f"time ({time_unit})", ylabel=ylabel)
     ax.grid(alpha=0.3, axis="x")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     fig.tight_layout()
     return fig

@@ -14,6 +14,8 @@ whole batch, so each run reports how far the pipeline's outputs and gradients
 are from the sequential ones, its measured bubble, its micro-batches and
 activation bytes in flight, and the busy intervals of every op (for a Gantt chart):
 rank 0 reports a ``PipelineResult``. On GPU ranks the ops are timed with CUDA events.
+The unmeasured warm-up step of each schedule counts every op's ATen ops (``PipelineResult.counted``),
+and ``--unpadded`` runs schedules once more with no padding (``PipelineResult.unpadded``).
 """
 
 from __future__ import annotations
@@ -97,6 +99,8 @@ class HandmadeRun(WorkerResult):
     output_max_abs_diff: float
     timings: list[tuple[int, str, int, float, float, int]]  # (stage, op, micro-batch, start, end, chunk), s
     bubble_measured_all: list[float] = field(default_factory=list)  # every repeat's
+    # with counting: (stage, op, micro-batch, chunk, {ATen op: tensors computed}) for every op (views left out)
+    op_counts: list[tuple[int, str, int, int, dict[str, int]]] = field(default_factory=list)
 
 
 @dataclass
@@ -120,11 +124,16 @@ class PipelineResult(WorkerResult):
     clock: str                              # what timed the ops: perf_counter, or CUDA events
     handmade: list[HandmadeRun] = field(default_factory=list)
     torch_api: list[TorchApiRun] = field(default_factory=list)
+    counted: list[HandmadeRun] = field(default_factory=list)    # the warm-up steps, unpadded, ops counted
+    unpadded: list[HandmadeRun] = field(default_factory=list)   # --unpadded: each op takes what its work takes
 
 
 def handmade_step(a: argparse.Namespace, kind: str, m: int, rank: int, world: int, device: torch.device,
-                  clock: Clock) -> HandmadeRun | None:
-    """One step with the hand-written executor; rank 0 returns the whole run's figures, the others None."""
+                  clock: Clock, count_ops: bool = False) -> HandmadeRun | None:
+    """One step with the hand-written executor; rank 0 returns the whole run's figures, the others None.
+
+    ``count_ops`` counts every op's ATen ops (which slows them: the step's times then mean little).
+    """
     v = _chunks(a, kind)
     model, reference, x, y, ref_logits = build(a, world, m, v)
     pieces = split_sequential(model.as_sequential(), world * v)
@@ -144,12 +153,12 @@ def handmade_step(a: argparse.Namespace, kind: str, m: int, rank: int, world: in
     dist.barrier()                                 # start together, so idle time is the schedule's
     run = run_stage(mine_ if v > 1 else mine_[0], schedule, rank, shapes if v > 1 else shapes[0],
                     inputs=xs if rank == 0 else None, targets=ys if rank == world - 1 else None, loss_fn=lm_loss,
-                    op_seconds=pad, device=device, clock=clock)
+                    op_seconds=pad, device=device, clock=clock, count_ops=count_ops)
     mine = {"rank": run.rank, "start": run.start, "end": run.end, "busy": run.busy, "chunks": run.busy_chunks,
             "peak_inflight": run.peak_inflight, "peak_activation_bytes": run.peak_activation_bytes,
             "peak_sends_held": run.peak_sends_held, "sent_messages": run.sent_messages,
             "sent_bytes": run.sent_bytes, "overruns": run.overruns,
-            "grad_max_abs_diff": _max_grad_diff([c.cpu() for c in mine_], refs)}
+            "grad_max_abs_diff": _max_grad_diff([c.cpu() for c in mine_], refs), "op_counts": run.op_counts}
     if run.outputs:                                # the last stage compares the model's outputs
         mine["output_max_abs_diff"] = (torch.cat(run.outputs) - ref_logits).abs().max().item()
     gathered: list[dict] | None = [None] * world if rank == 0 else None  # type: ignore[list-item]
@@ -177,7 +186,9 @@ def handmade_step(a: argparse.Namespace, kind: str, m: int, rank: int, world: in
         output_max_abs_diff=runs[-1]["output_max_abs_diff"],
         # (stage, op, micro-batch, start, end, chunk) in seconds from the common start, for plots.gantt
         timings=[(r["rank"], op, i, b - t0, e - t0, c) for r in runs
-                 for (op, i, b, e), c in zip(r["busy"], r["chunks"])])
+                 for (op, i, b, e), c in zip(r["busy"], r["chunks"])],
+        op_counts=[(r["rank"], op, i, c, n) for r in runs
+                   for (op, i, *_), c, n in zip(r["busy"], r["chunks"], r["op_counts"])])
 
 
 def torch_api_step(a: argparse.Namespace, kind: str, m: int, rank: int, world: int,
@@ -243,13 +254,16 @@ def main() -> None:
     parser.add_argument("--main-pad-scale", type=float, default=1.0,
                         help="pad the --main-only schedules' ops this many times longer: a schedule with no slack "
                              "(ZB-H1) lets every messaging delay add to its idle time")
+    parser.add_argument("--unpadded", default="",
+                        help="schedules to run once more at the main number of micro-batches without padding "
+                             "(each op takes what its work takes), the fastest of --repeats tries")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run each padded step this often and keep the fastest (least disturbed) one")
     parser.add_argument("--seed", type=int, default=0)
     launch.add_timeout_arg(parser)
     a = parser.parse_args()
-    kinds, a.main_only = _names(a.schedules), set(_names(a.main_only))
-    bad = [k for k in kinds if k not in KINDS]
+    kinds, a.main_only, unpadded = _names(a.schedules), set(_names(a.main_only)), _names(a.unpadded)
+    bad = [k for k in kinds + unpadded if k not in KINDS]
     if bad:
         raise ValueError(f"this worker runs the schedules {', '.join(KINDS)}; got {bad}")
     if a.repeats < 1:
@@ -264,9 +278,12 @@ def main() -> None:
         # connection and the first backward initialises autograd, which would
         # otherwise count as idle time of the first measured run.
         # Each schedule gets its own (its chunks' first backward with a received gradient took seconds here).
+        # It also counts each op's ATen ops: what B, W and a whole backward compute, exactly.
+        unpad = argparse.Namespace(**{**vars(a), "t_forward_ms": 0.0})
         for kind in kinds:
-            handmade_step(argparse.Namespace(**{**vars(a), "t_forward_ms": 0.0}), kind, world, rank, world, device,
-                          clock)
+            counted = handmade_step(unpad, kind, world, rank, world, device, clock, count_ops=True)
+            if counted is not None:
+                result.counted.append(counted)
         main_m = _ints(a.torch_microbatches or a.microbatches)[-1]
         for kind in kinds:
             for m in (_ints(a.microbatches) if kind not in a.main_only else [main_m]):
@@ -279,6 +296,12 @@ def main() -> None:
                     best = min(tries, key=lambda r: r.makespan_s)
                     best.bubble_measured_all = [r.bubble_measured for r in tries]
                     result.handmade.append(best)
+        for kind in unpadded:                      # no padding: the ops' own times, on however many cores
+            tries = [handmade_step(unpad, kind, main_m, rank, world, device, clock) for _ in range(a.repeats)]
+            if rank == 0:
+                best = min(tries, key=lambda r: r.makespan_s)
+                best.bubble_measured_all = [r.bubble_measured for r in tries]
+                result.unpadded.append(best)
     if a.api in ("torch", "both"):
         for kind in kinds:
             for m in _ints(a.torch_microbatches or a.microbatches):

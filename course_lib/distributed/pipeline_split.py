@@ -1,0 +1,187 @@
+"""The backward pass split in two, for zero-bubble schedules (chapter 07): ``B`` then ``W``, no op run twice.
+
+A backward pass computes two kinds of gradients. *Activation gradients* flow
+from the stage's output down to its input: the next rank's ``B`` produces
+them and the previous rank waits for the last one. *Weight gradients* branch
+off that chain, one per parameter, and nobody waits for them. For a linear
+layer ``z = x A^T + b`` autograd's node for the layer gets ``dz`` and computes
+``dx = dz A`` (activation side) and ``dA = dz^T x``, ``db = sum(dz)``
+(weight side).
+
+``backward_input`` (``B``) asks autograd for the gradient at the stage's
+input and at every node that has a weight on its other side (a linear layer's
+matrix product, a layer norm, an embedding lookup), without the weights among
+its targets: autograd computes only the gradients that lead to those targets,
+so it skips every weight product. It keeps, per such node, the gradient that
+arrived there. ``backward_weight`` (``W``) later restarts autograd at each of
+those nodes with that gradient and the node's own weights as the only
+targets: the node computes its weight outputs only, and nothing below it runs
+again. Together they run exactly the ops of one ``backward()``
+(``tests/test_pipeline.py`` counts them with ``count_ops``).
+
+Which nodes are activations? Every tensor a module outputs is one, and so is
+every tensor computed from an activation; the rest of the graph (a weight's
+transpose, the weight itself) is weight side. On the first stage the input is
+data (token ids), so ``B`` computes no input gradient there, only the chain
+down to the embedding's output; ``W`` runs the embedding's backward.
+
+Cost: ``W`` makes one autograd call per weight-using node (a dozen per
+transformer stage here), which a fused implementation avoids; and the graph,
+with the gradients ``B`` left at those nodes, stays alive until ``W``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.autograd.graph import GradientEdge, Node
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+@contextlib.contextmanager
+def recording_activations(module: nn.Module) -> Iterator[set[Node]]:
+    """While the block runs, collect the autograd node of every tensor that ``module`` or a submodule outputs."""
+    nodes: set[Node] = set()
+
+    def hook(_mod: nn.Module, _inp: object, out: object) -> None:
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                nodes.add(t.grad_fn)
+
+    handles = [m.register_forward_hook(hook) for m in module.modules()]
+    try:
+        yield nodes
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@dataclass
+class WeightGrads:
+    """What ``B`` leaves for ``W``: per weight-using node, the gradients that reached it and its weights."""
+
+    edges: list[list[GradientEdge]] = field(default_factory=list)    # the node's inputs (one per forward output)
+    grads: list[list[torch.Tensor]] = field(default_factory=list)    # the gradient B computed at each
+    params: list[list[torch.Tensor]] = field(default_factory=list)   # the weights the node leads to
+
+
+def _graph(root: Node) -> dict[Node, list[Node]]:
+    """Every node under ``root`` with the nodes it passes gradients to (its inputs' nodes)."""
+    below: dict[Node, list[Node]] = {}
+    todo = [root]
+    while todo:                                      # iterative: graphs can be deep
+        node = todo.pop()
+        if node not in below:
+            below[node] = [f for f, _ in node.next_functions if f is not None]
+            todo += below[node]
+    return below
+
+
+def _activation_side(below: dict[Node, list[Node]], activations: set[Node],
+                     params: Sequence[torch.Tensor]) -> set[Node]:
+    """The nodes that lead to an activation (or to an input that wants its gradient); the rest lead to weights."""
+    ids = {id(p) for p in params}
+    above: dict[Node, list[Node]] = collections.defaultdict(list)
+    for node, kids in below.items():
+        for kid in kids:
+            above[kid].append(node)
+    # a leaf that is no weight is a stage input that needs its gradient
+    todo = [n for n in below if n in activations or (hasattr(n, "variable") and id(n.variable) not in ids)]
+    side: set[Node] = set()
+    while todo:                                      # everything above an activation is activation side
+        node = todo.pop()
+        if node not in side:
+            side.add(node)
+            todo += above[node]
+    return side
+
+
+def _weights_below(node: Node, below: dict[Node, list[Node]], side: set[Node]) -> list[torch.Tensor]:
+    """The weights that ``node`` reaches through its weight-side inputs."""
+    found, seen = [], set()
+    todo = [f for f in below[node] if f not in side]
+    while todo:
+        f = todo.pop()
+        if f not in seen:
+            seen.add(f)
+            if hasattr(f, "variable"):
+                found.append(f.variable)
+            todo += below[f]
+    return found
+
+
+def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor | None, activations: set[Node],
+                   params: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, WeightGrads]:
+    """``B``: the gradient of ``out`` (times ``grad``) at the input ``x``, and what ``W`` needs later.
+
+    ``activations`` comes from ``recording_activations`` around the forward;
+    ``x`` is ``None`` (or needs no gradient) on the first stage, whose input is
+    data. The graph is kept for ``W``.
+    """
+    root = out.grad_fn
+    if root is None:
+        raise ValueError("the stage's output has no autograd graph: run its forward with gradients enabled")
+    below = _graph(root)
+    side = _activation_side(below, activations, params)
+    # the weight-using nodes: activation side, with an input on the weight side
+    split = [n for n in side if any(f not in side for f in below[n])]
+    if root not in side:
+        split.append(root)                           # the whole stage is weight side (e.g. one layer on data)
+    owner: dict[int, int] = {}
+    pending = WeightGrads()
+    for node in split:
+        mine = _weights_below(node, below, side)
+        for p in mine:
+            if owner.setdefault(id(p), id(node)) != id(node):
+                raise ValueError("a weight is used by two ops of one micro-batch (a shared or reused layer): "
+                                 "the split backward would count its gradient twice; run this stage unsplit")
+        pending.edges.append([GradientEdge(node, k) for k in range(len(node._input_metadata))])
+        pending.params.append(mine)
+    wants_dx = x is not None and x.requires_grad
+    targets: list = ([x] if wants_dx else []) + [e for edges in pending.edges for e in edges]
+    # retain_graph: W runs the weight-using nodes again, on their weight side only
+    got = list(torch.autograd.grad(out, targets, grad, retain_graph=True, allow_unused=True))
+    dx = got.pop(0) if wants_dx else None
+    for edges in pending.edges:
+        pending.grads.append([got.pop(0) for _ in edges])
+    return dx, pending
+
+
+def backward_weight(pending: WeightGrads) -> None:
+    """``W``: each weight-using node's weight gradients from what ``B`` left there, added to the ``.grad`` fields."""
+    for edges, grads, params in zip(pending.edges, pending.grads, pending.params):
+        used = [(e, g) for e, g in zip(edges, grads) if g is not None]
+        if used and params:
+            # only the node's own weights as targets: autograd runs the node's weight side and nothing below
+            torch.autograd.backward([e for e, _ in used], [g for _, g in used], inputs=params, retain_graph=True)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the tensors each ATen op computes while active (``with OpCounter() as c: ...; c.counts``).
+
+    An op that returns several tensors counts once per tensor it computed: a
+    layer norm's backward asked for its input gradient only counts 1, asked
+    for everything 3, so two calls that split the work add up to one. Views
+    (``detach``, ``view``, ``t``, ...: a new header onto the same memory, no
+    arithmetic) count only with ``views=True``: autograd takes one each time it
+    unpacks a saved tensor through a hook (``saved_activation_bytes`` sets
+    one), so a node that runs twice, once in ``B`` and once in ``W``, takes its
+    views twice.
+    """
+
+    def __init__(self, views: bool = False) -> None:
+        super().__init__()
+        self.views = views
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        result = func(*args, **(kwargs or {}))
+        if self.views or not func.is_view:
+            outs = result if isinstance(result, (tuple, list)) else (result,)
+            self.counts[func.overloadpacket.__name__] += sum(isinstance(o, torch.Tensor) for o in outs)
+        return result
