@@ -99,6 +99,25 @@ def test_interleaved_and_zero_bubble_for_real(claims):
     assert claims["ch07/exec_interleaved_idle_over_busy"] == pytest.approx((p - 1) / (v * m), abs=0.1)
 
 
+def test_split_backward_runs_one_backward_s_ops_once(claims):
+    # counted on every rank of the real run: ZB-H1's B + W equal 1F1B's backward, operator for operator
+    assert claims["ch07/split_count_mismatches"] == []
+    linears = claims["ch07/split_linears"]
+    # each linear layer: its input product in B (stage 0's first layer too: its input is the embedding's
+    # output), its weight product in W; one backward runs both
+    assert claims["ch07/split_mm_B"] == claims["ch07/split_mm_W"] == linears
+    assert claims["ch07/split_mm_1f1b"] == [2 * n for n in linears]
+    assert claims["ch07/split_bmm_W"] == [0] * len(linears)              # attention's products: all in B
+    assert all(b > 0 for b in claims["ch07/split_bmm_B"])
+    assert claims["ch07/split_embedding_backward_in_b"] == 0             # the lookup's backward is W's
+
+
+def test_unpadded_runs_compute_the_same_gradients(claims):
+    for kind in ("1f1b", "zb-h1"):
+        assert claims[f"ch07/unpadded_grad_max_abs_diff_{kind}"] < 1e-5, kind
+        assert claims[f"ch07/unpadded_step_ms_{kind}"] > 0
+
+
 def test_torch_runs_every_schedule_with_the_same_loss(claims):
     assert claims["ch07/torch_schedules"] == sorted(["ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
                                                      "ScheduleInterleavedZeroBubble"])
