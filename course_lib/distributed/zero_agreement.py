@@ -48,7 +48,8 @@ class Flags:
     """Integer flags summed over the ranks, blocking; ``calls`` counts the all-reduces (a few bytes each).
 
     Stage 2 spends two per backward (``backward_starts``, ``backward_ends``) and
-    one per ``step`` (``others_in_backward``), plus one per backward it joins.
+    one per ``step`` or ``clip_grad_norm_`` (``others_in_backward``), plus two
+    for each backward of another rank that it joins (the question, and the end).
     """
 
     def __init__(self) -> None:
@@ -70,7 +71,7 @@ class Flags:
         self.sum([1])
 
     def others_in_backward(self) -> bool:
-        """In ``step``: is some rank in a backward that this one skipped? (This rank says no.)"""
+        """In ``step`` (and ``clip_grad_norm_``): is some rank in a backward this one skipped? (This one says no.)"""
         return self.sum([0])[0] > 0
 
     def backward_ends(self, used: list[bool], failed: bool) -> tuple[list[int], list[int]]:
@@ -107,8 +108,10 @@ class GradVersion:
     """Stage 1: notice a gradient buffer changed in place since ``note`` (a clip of the model's gradients).
 
     Each rank checks on its own, with no flag: the misuse it is for runs the
-    same code on every rank, so every rank raises before any collective. It
-    costs a comparison of two integers (a tensor's version counter).
+    same code on every rank, so every rank raises before any collective (a
+    change on one rank alone would leave the others waiting in the
+    reduce-scatter). It costs a comparison of two integers, a tensor's version
+    counter against the one noted.
     """
 
     def __init__(self) -> None:

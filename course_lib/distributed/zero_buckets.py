@@ -5,7 +5,8 @@ into buckets as DDP's gradients are (``ddp.assign_buckets``): the parameters in
 reverse order, the order in which the backward produces their gradients, at most
 ``bucket_cap_mb`` per bucket. Each bucket is padded to a multiple of N, the number
 of ranks, so that it splits into N equal slices ("slots" elements each); rank r owns
-slice r of every bucket. Equal slices are what reduce-scatter and all-gather need.
+slice r of every bucket (``zero.shard_bounds``, bucket by bucket). Equal slices are
+what reduce-scatter and all-gather need.
 
 What it costs: at most N-1 padding elements per bucket (they get zero gradients
 and zero updates), and one collective per bucket in each reduce-scatter and
