@@ -7,6 +7,8 @@
 - ``ddp``: ``NaiveDDP`` and ``BucketedDDP``, the teaching versions of ``DistributedDataParallel`` (chapter 06);
   ``ddp_dynamic``: ``DynamicBucketedDDP``, for hook counts, unused parameters and re-sends.
 - ``zero``: ZeRO-1/2 by hand (``ZeroOptimizer``) and FSDP2's traffic and memory measured (chapter 08).
+  Its pieces: ``zero_buckets`` (the flat layout), ``zero_stage1`` and ``zero_stage2`` (each stage's gradients),
+  ``zero_agreement`` (what the ranks agree on so that none is left waiting).
 - ``tensor_parallel``: Megatron's column- and row-parallel layers, f and g, sequence parallelism (chapter 09);
   ``tp_costs``: their bytes, activations and traffic in formulas (chapter 09, and the capstone's planner).
 

@@ -170,10 +170,6 @@ class ZeroOptimizer:
         """The group the flags travel on (``zero_agreement.flag_group``)."""
         return self.flags.group
 
-    # Chapter 08 prints stage 2's hook and its reduce-scatter queue by these names (inspect.getsource). They are
-    # Stage2Gradients' methods, which run on self.grads: kept here for that print, not to be called on self.
-    _hook, _reduce, _finish = Stage2Gradients._hook, Stage2Gradients._reduce, Stage2Gradients._finish
-
     def zero_grad(self) -> None:
         """Start a new step's gradients.
 
