@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TextIO
 
 from course_lib import env, parallel_runs
-from course_lib.env import check_profile
+from course_lib.env import check_profile, duration
 from course_lib.tools import report
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,9 +36,6 @@ KERNEL_MANAGER_CONFIG = {"KernelManager": {"transport_encryption": "auto"}}
 ONE_THREAD_PROFILES = ("smoke", "cpu")
 # Without a terminal (CI logs, `make course | tee`), a progress line at most this often, in seconds.
 LOG_EVERY_S = 30.0
-
-
-duration = env.duration  # "3 min 10 s" (its home is env, which budget_line needs it in)
 
 
 class CellProgress:
