@@ -1,4 +1,4 @@
-"""Step time of the hand-written DDP wrappers against torch DDP, on 2 gloo ranks (chapter 06).
+"""Step time of the hand-written DDP wrappers against torch DDP, on 2 gloo ranks (chapter 07).
 
 All four train the same MLP (4.0 MiB of float32 gradients: 1,055,754 parameters) on the
 same data, interleaved round by round in one run, so the ratios compare like with like

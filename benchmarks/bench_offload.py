@@ -1,4 +1,4 @@
-"""Chapter 10: what the memory techniques cost in time, as ratios of step times measured in one run.
+"""Chapter 11: what the memory techniques cost in time, as ratios of step times measured in one run.
 
 - ``fused_attention_time_ratio``: a training step of the tiny transformer with
   ``F.scaled_dot_product_attention`` over the op-by-op attention, at a sequence

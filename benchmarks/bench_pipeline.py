@@ -1,4 +1,4 @@
-"""Measured pipeline bubble against each schedule's formula (chapter 07).
+"""Measured pipeline bubble against each schedule's formula (chapter 08).
 
 Four processes run one training step of a small transformer with the hand-written
 executor, GPipe, 1F1B, interleaved 1F1B (two chunks per rank) and ZB-H1, eight

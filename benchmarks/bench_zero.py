@@ -1,4 +1,4 @@
-"""ZeRO and FSDP2 against DDP on 4 ranks (chapter 08): bytes held, the peak of a step, bytes sent, step time.
+"""ZeRO and FSDP2 against DDP on 4 ranks (chapter 09): bytes held, the peak of a step, bytes sent, step time.
 
 One launch of ``course_lib.workers.zero_compare``; every ratio compares rank
 0 of a method with rank 0 of DDP at the same world size. The memory and

@@ -7,15 +7,15 @@ listed above it:
 - ``data``: the offline ``shapes`` dataset, CIFAR-10, token sequences, loaders (chapter 00);
 - ``models``: the small CNNs and MLPs with a pluggable norm, and the tiny transformer (used from chapter 01 on);
 - ``memory``: bytes counted exactly (parameters, gradients, optimizer state, saved activations), ZeRO's formula,
-  peaks and the curve of allocated bytes over a step (chapters 01, 05, 08, 10);
-- ``estimator``: the same bytes predicted from the model and the batch shape alone (chapters 01, 10);
+  peaks and the curve of allocated bytes over a step (chapters 01, 05, 09, 11);
+- ``estimator``: the same bytes predicted from the model and the batch shape alone (chapters 01, 11);
 - ``train``: one training loop, ``fit``, and the bare accumulation step (chapters 02-05);
 - ``norms``: GroupNorm by hand, MABN, BatchNorm folding (chapter 04);
 - ``checkpointing``: segment plans, checkpointed forwards, selective checkpointing (chapter 05);
-- ``distributed/``: data parallelism by hand (chapter 06), pipelines (07), ZeRO and FSDP2 (08), tensor and
-  sequence parallelism (09), and the launcher that starts their workers;
-- ``offload`` and ``chunked_loss``: memory beyond splitting (chapter 10);
-- ``planner/``: the capstone, measure, predict and search a configuration for a memory budget (chapter 12);
+- ``distributed/``: data parallelism by hand (chapter 07), pipelines (08), ZeRO and FSDP2 (08), tensor and
+  sequence parallelism (10), and the launcher that starts their workers;
+- ``offload`` and ``chunked_loss``: memory beyond splitting (chapter 11);
+- ``planner/``: the capstone, measure, predict and search a configuration for a memory budget (chapter 13);
 - ``workers/``: the ``torchrun`` entry points that the distributed chapters start, and the typed results they
   report.
 

@@ -1,4 +1,4 @@
-"""Cross-entropy over a large vocabulary without the whole logits tensor (chapter 10).
+"""Cross-entropy over a large vocabulary without the whole logits tensor (chapter 11).
 
 A language model's head maps ``N = B * T`` hidden vectors of width ``d`` to ``V``
 logits. The plain loss holds the ``(N, V)`` logits, ``cross_entropy`` saves their
@@ -169,7 +169,7 @@ def predict_loss_peak(tokens: int, vocab: int, d_model: int, chunks: int, itemsi
     weight gradient into the head's holds three weight-sized tensors at once
     (the sum, the slice's gradient as autograd computes it, transposed, and a
     copy in the weight's layout), which bounds the peak from below as ``k``
-    grows. Within a few percent of chapter 10's measurements.
+    grows. Within a few percent of chapter 11's measurements.
     """
     if min(tokens, vocab, d_model, itemsize) < 1 or not 1 <= chunks <= tokens:
         raise ValueError(f"need positive sizes and 1 <= chunks <= tokens, got tokens={tokens}, vocab={vocab}, "

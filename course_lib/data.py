@@ -8,7 +8,7 @@ and pixel noise. No download, no files; 10,000 images take under a second of CPU
 ``cifar10``: torchvision's CIFAR-10, used when it is under ``data/`` or when
 the learner passes ``download=True``.
 
-``tokens``: integer sequences for the tiny transformer (chapters 03, 07, 08, 10 and 12).
+``tokens``: integer sequences for the tiny transformer (chapters 03, 08, 09, 11 and 13).
 """
 
 from __future__ import annotations

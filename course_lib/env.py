@@ -45,13 +45,13 @@ MEASURED_CPU_S: dict[str, dict[str, tuple[int, int]]] = {
     "03": {"AVX512": (32, 31), "AVX2": (33, 33)},
     "04": {"AVX512": (166, 318), "AVX2": (194, 370)},
     "05": {"AVX512": (83, 82), "AVX2": (78, 76)},
-    "06": {"AVX512": (44, 61), "AVX2": (45, 64)},
-    "07": {"AVX512": (130, 101), "AVX2": (133, 104)},
-    "08": {"AVX512": (139, 199), "AVX2": (163, 238)},
-    "09": {"AVX512": (56, 91), "AVX2": (60, 97)},
-    "10": {"AVX512": (109, 112), "AVX2": (111, 115)},
-    "11": {"AVX512": (47, 68), "AVX2": (45, 66)},
-    "12": {"AVX512": (115, 152), "AVX2": (90, 120)},
+    "07": {"AVX512": (44, 61), "AVX2": (45, 64)},
+    "08": {"AVX512": (130, 101), "AVX2": (133, 104)},
+    "09": {"AVX512": (139, 199), "AVX2": (163, 238)},
+    "10": {"AVX512": (56, 91), "AVX2": (60, 97)},
+    "11": {"AVX512": (109, 112), "AVX2": (111, 115)},
+    "12": {"AVX512": (47, 68), "AVX2": (45, 66)},
+    "13": {"AVX512": (115, 152), "AVX2": (90, 120)},
 }
 # A bf16 matmul this many times slower than the same fp32 one means the CPU emulates bf16. Measured: 0.2-0.5 on
 # CPUs with AVX512-BF16 or AMX; 30-60 on AVX2-only CPUs, where oneDNN has no bf16 kernel and converts element
@@ -211,7 +211,7 @@ class CpuSpeed:
         speed = (f"a bf16 matmul takes {self.bf16_over_fp32:.1f}x as long as fp32" if self.bf16_over_fp32 >= 1
                  else f"a bf16 matmul takes {self.bf16_over_fp32:.2f} of fp32's time")
         meaning = ("bf16 is emulated on this CPU: the bf16 cells of the cpu profile run at smaller sizes there "
-                   "(chapters 05 and 12 say so where they do), and bf16 times say nothing about a GPU"
+                   "(chapters 05 and 13 say so where they do), and bf16 times say nothing about a GPU"
                    if self.bf16_is_slow else "bf16 runs natively on this CPU")
         return f"{self.capability}, {speed} ({meaning})"
 

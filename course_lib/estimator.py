@@ -7,7 +7,7 @@ and each layer's rule below says what it saves for backward. In fp32 or under
 bf16 autocast, whose saved tensors are partly bf16, partly fp32, and not quite
 the same on the CPU and on CUDA (see the notes on autocast below).
 ``attention_saved_bytes`` is its formula for an attention layer, naive or
-fused (chapter 10). Checked against ``memory``'s counts in tests/test_memory.py.
+fused (chapter 11). Checked against ``memory``'s counts in tests/test_memory.py.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def _layer_saves(module: nn.Module, x: torch.Tensor, out: torch.Tensor, amp: tor
 def attention_saved_bytes(batch: int, seq: int, d_model: int, n_heads: int, dtype: torch.dtype = torch.float32,
                           *, fused: bool = False, dropout: bool = False, autocast: bool = False,
                           device: str = "cpu") -> int:
-    """Bytes the core of one causal self-attention layer saves for backward (chapters 01, 10).
+    """Bytes the core of one causal self-attention layer saves for backward (chapters 01, 11).
 
     The core is everything between the ``qkv`` and ``proj`` Linear layers; ``dtype``
     is the dtype q, k and v come in (bf16 under bf16 autocast). The naive layer

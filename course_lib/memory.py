@@ -1,4 +1,4 @@
-"""Bytes counted exactly, and peaks measured (chapter 01; the peaks and timelines of chapters 05, 08 and 10).
+"""Bytes counted exactly, and peaks measured (chapter 01; the peaks and timelines of chapters 05, 09 and 11).
 
 Training memory has four parts:
 
@@ -134,7 +134,7 @@ def zero_memory(num_params: float, num_devices: int, stage: int, optimizer_multi
     momentum, variance). Stage 1 shards the K bytes over the devices, stage 2
     the gradients too, stage 3 the weights too; stage 0 is plain data
     parallelism. Activations are not included. This is the course's one ZeRO
-    formula: ``distributed.zero.zero_bytes_per_rank`` splits it into its parts (chapter 08).
+    formula: ``distributed.zero.zero_bytes_per_rank`` splits it into its parts (chapter 09).
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
@@ -170,7 +170,7 @@ def _quiet_native_stderr() -> Iterator[None]:
 
 @dataclass
 class MemoryTimeline:
-    """Bytes allocated over time while a function ran, from the profiler's records (chapter 10)."""
+    """Bytes allocated over time while a function ran, from the profiler's records (chapter 11)."""
 
     seconds: list[float]                      # since the first record
     live_bytes: list[int]                     # allocated above the start, after each allocation or free

@@ -1,4 +1,4 @@
-"""Small models (every chapter, 00 to 12).
+"""Small models (every chapter, 00 to 13).
 
 - ``ResNet``: a CIFAR-style residual network whose normalisation layer is an
   argument (``norm_layer(channels) -> nn.Module``), so chapter 04 can swap
@@ -107,7 +107,7 @@ class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention, written out op by op so every saved tensor is visible.
 
     ``fused=True`` computes the same function with one call of
-    ``F.scaled_dot_product_attention`` (chapter 10): a fused kernel that never
+    ``F.scaled_dot_product_attention`` (chapter 11): a fused kernel that never
     stores the ``(B, H, T, T)`` attention matrix; the backward pass recomputes it
     block by block from ``q``, ``k``, ``v`` and one log-sum-exp per row.
     """
@@ -192,7 +192,7 @@ class TinyTransformer(nn.Module):
 
     ``as_sequential()`` returns the same modules as one flat ``nn.Sequential``,
     the form checkpointing and pipeline parallelism cut into pieces.
-    ``fused=True`` gives every block's attention the fused kernel (chapter 10).
+    ``fused=True`` gives every block's attention the fused kernel (chapter 11).
     """
 
     def __init__(self, vocab: int = 64, d_model: int = 64, n_heads: int = 4, n_layers: int = 2,

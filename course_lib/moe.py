@@ -1,4 +1,4 @@
-"""A mixture-of-experts MLP in one process, by hand (chapter 11).
+"""A mixture-of-experts MLP in one process, by hand (chapter 12).
 
 A router (one linear layer, ``d_model -> E``) scores every token against ``E``
 expert MLPs; each token goes to its ``k`` best experts and their outputs are
@@ -9,7 +9,7 @@ Transformer, Fedus et al. 2021).
 
 Each expert takes at most ``capacity = ceil(capacity_factor * k * T / E)``
 tokens of a batch of ``T`` (Switch, section 2.2): a fixed size, so that the
-buffers that carry tokens to the experts have known shapes (chapter 11's expert
+buffers that carry tokens to the experts have known shapes (chapter 12's expert
 parallelism sends them to other ranks). The tokens past an expert's capacity
 are *dropped*: the layer returns zero for that choice and the residual
 connection carries the token on. Choices are queued slot-major, every token's
@@ -144,14 +144,14 @@ def route(logits: torch.Tensor, k: int, capacity_factor: float) -> Routing:
 
 
 def expert_mlp(d_model: int, d_hidden: int) -> nn.Sequential:
-    """One expert: the transformer's MLP (chapter 09's ``mlp``)."""
+    """One expert: the transformer's MLP (chapter 10's ``mlp``)."""
     return nn.Sequential(nn.Linear(d_model, d_hidden), nn.GELU(), nn.Linear(d_hidden, d_model))
 
 
 class MoEMLP(nn.Module):
     """``E`` expert MLPs behind a top-``k`` router with a capacity; ``forward`` keeps ``routing`` and ``aux_loss``.
 
-    Chapter 11 builds it by hand: each expert runs on a gathered batch of its
+    Chapter 12 builds it by hand: each expert runs on a gathered batch of its
     own tokens (``x[token]``), and ``index_add`` scatters the gated outputs
     back (out of place, so autograd can differentiate it). Dropped choices add nothing.
     """
@@ -231,7 +231,7 @@ def imbalance(tokens_per_expert: torch.Tensor) -> float:
 def balance_run(seed: int, aux_weight: float, n_experts: int = 8, k: int = 1, d_model: int = 16,
                 n_tokens: int = 512, steps: int = 60, lr: float = 1e-2, capacity_factor: float = 1.25,
                 factors: Sequence[float] = ()) -> dict:
-    """Train a ``MoEMLP`` on ``teacher_task`` with Adam; the load before and after (chapter 11).
+    """Train a ``MoEMLP`` on ``teacher_task`` with Adam; the load before and after (chapter 12).
 
     Returns the imbalance (max / mean choices per expert) per step, the tokens
     per expert after training, the drop rate at ``capacity_factor`` (and, after

@@ -1,4 +1,4 @@
-"""Activation offload: move what autograd saves off the device until the backward pass needs it (chapter 10).
+"""Activation offload: move what autograd saves off the device until the backward pass needs it (chapter 11).
 
 Checkpointing (chapter 05) drops saved tensors and recomputes them. Offloading
 copies them to host memory in the forward pass and back in the backward pass:
@@ -156,10 +156,10 @@ def predict_offload_peak(peak_without: int, n_blocks: int, block_saved_bytes: in
     The saves of all blocks but one leave the device: in the backward pass they
     come back one autograd node at a time, never more than one block's worth,
     next to that block's gradient temporaries. A planning estimate, not a bound:
-    measured (chapter 10, the tests) at most 5% below the real peak, and up to
+    measured (chapter 11, the tests) at most 5% below the real peak, and up to
     about half above it when a block's backward needs less than it saved. The peak
     cannot fall below ``peak_without - n_blocks * block_saved_bytes``, what the
-    head and the loss need (chapter 10's chunked loss).
+    head and the loss need (chapter 11's chunked loss).
     """
     if n_blocks < 1 or block_saved_bytes < 0:
         raise ValueError(f"need n_blocks >= 1 and block_saved_bytes >= 0, got {n_blocks}, {block_saved_bytes}")

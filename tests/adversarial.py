@@ -93,7 +93,7 @@ def training_state_bytes(model, optimizer):
     })
 
 PATCHED_TORCH = Attack(
-    "patched_torch", "06_data_parallel", honest=0,
+    "patched_torch", "07_data_parallel", honest=0,
     what="torch.equal / torch.allclose patched to return True, wrong answers; q2 is one call to ddp.assign_buckets",
     cells={
         "q1_average_gradients": '''
@@ -207,7 +207,7 @@ get_ipython().input_transformers_post.append(_harmless)'''],
     })
 
 REPLACED_REFERENCE = Attack(
-    "replaced_reference", "08_sharded_training", honest=3,
+    "replaced_reference", "09_sharded_training", honest=3,
     what="zero.shard_bounds (the hidden tests' reference) replaced by the learner's wrong one; q2 honestly right",
     cells={
         "q1_shard_bounds": '''
@@ -218,7 +218,7 @@ def shard_bounds(numel, world_size, rank):
     return rank * slots, min((rank + 1) * slots, numel)   # start not cut to numel: wrong when numel < world
 
 zero.shard_bounds = shard_bounds    # what the hidden tests compare with''',
-        "q2_zero1_step": solution_source("08_sharded_training", "q2_zero1_step"),
+        "q2_zero1_step": solution_source("09_sharded_training", "q2_zero1_step"),
     })
 
 # ----- files handed in beside the notebook ----------------------------------------------------------
@@ -610,10 +610,10 @@ wire.dump = _hostile_dump'''])
 
 # submission -> its exercise, the attack on each of its tests' answers (the rest answered honestly), their points
 ANSWERS_PLAN = {
-    "hostile_answers_07": ("07_pipeline_parallel", {"q1_one_f_one_b_test": "unused_tensors",
+    "hostile_answers_07": ("08_pipeline_parallel", {"q1_one_f_one_b_test": "unused_tensors",
                                                     "q2_bubble_fraction_test": "colliding_set",
                                                     "q3_min_microbatches_test": "colliding_keys"}, 3),
-    "hostile_answers_08": ("08_sharded_training", {"q1_shard_bounds_test": "long_integer",
+    "hostile_answers_08": ("09_sharded_training", {"q1_shard_bounds_test": "long_integer",
                                                    "q2_zero1_step_test": "wide_tensor",
                                                    "q3_bytes_sent_test": "vast_empty_tensor"}, 1)}
 ANSWERS = [answers_attack(name, stem, attacks, honest) for name, (stem, attacks, honest) in ANSWERS_PLAN.items()]

@@ -24,17 +24,17 @@ OUT = ROOT / "build" / f"test-{PROFILE}"
 _cache: dict[str, dict] = {}
 # Notebooks run one at a time, in order, in a background process from the start of the session, on the core the
 # tests leave idle, while the tests go on: those whose kernel runs alone (single-threaded), and three that start
-# ranks but whose claims are counts, bytes and memory, which a busy machine does not move (06 and 07 measure CPU
-# time and bubbles, 08 what asynchronous buckets hold in flight: they run in the foreground).
+# ranks but whose claims are counts, bytes and memory, which a busy machine does not move (07 and 08 measure CPU
+# time and bubbles, 09 what asynchronous buckets hold in flight: they run in the foreground).
 # The others must not share the machine with it: they wait until the background run is done (ZeRO-2's saving in
-# 08 fell to 0.59 of its formula once, with chapter 12's ranks running beside it).
-PREFETCH = ("00", "01", "02", "03", "04", "05", "10", "09", "11", "12")
+# 09 fell to 0.59 of its formula once, with chapter 13's ranks running beside it).
+PREFETCH = ("00", "01", "02", "03", "04", "05", "11", "10", "12", "13")
 # When the whole suite runs (plain `pytest`, as `make test` does), these test files run in the same background
 # process once its notebooks are done, in a pytest of their own, so that its core is not idle while this one works
 # through the unit tests; their results are printed and counted at the end of this session. Their tests start one
-# process at a time and time only themselves. The notebooks that need the machine alone (06-08) run last, after it.
+# process at a time and time only themselves. The notebooks that need the machine alone (07-09) run last, after it.
 SIDE = ("test_grading_adversarial.py", "test_launch.py")
-ALONE = ("test_nb_06.py", "test_nb_07.py", "test_nb_08.py")
+ALONE = ("test_nb_07.py", "test_nb_08.py", "test_nb_09.py")
 SIDE_OUT = OUT / "side"
 _prefetch: dict[str, Path] = {}
 _prefetcher: subprocess.Popen | None = None

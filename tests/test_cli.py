@@ -219,7 +219,7 @@ def test_help_of_check_names_the_unit_and_the_default(capsys):
 @pytest.mark.parametrize("typed, suggestion", [
     ("exercises/99_x.ipynb", None),
     ("exercise/03_gradient_accumulation.ipynb", "03_gradient_accumulation.ipynb"),  # the folder's name mistyped
-    ("exercises/09_tensor_paralel.ipynb", "09_tensor_parallel.ipynb"),
+    ("exercises/10_tensor_paralel.ipynb", "10_tensor_parallel.ipynb"),
     ("exercises/04", "04_normalization.ipynb"),
 ])
 def test_a_missing_notebook_says_what_is_wrong_and_lists_the_exercises(command, typed, suggestion, capsys,

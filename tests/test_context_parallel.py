@@ -1,4 +1,4 @@
-"""Chapter 11's context parallelism: the pieces in one process, then ring attention on 2 and 4 gloo ranks.
+"""Chapter 12's context parallelism: the pieces in one process, then ring attention on 2 and 4 gloo ranks.
 
 The one-process tests check the layouts, the online-softmax merge and the
 blockwise backward against plain attention; the launches check the ring

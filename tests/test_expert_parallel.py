@@ -1,4 +1,4 @@
-"""Chapter 11's expert parallelism: the formulas in one process, then launches on 2 and 4 gloo ranks.
+"""Chapter 12's expert parallelism: the formulas in one process, then launches on 2 and 4 gloo ranks.
 
 Each launch checks the layer against the one-process ``MoEMLP`` in float64
 (outputs and gradients), every byte count against the rows that crossed ranks,

@@ -1,4 +1,4 @@
-"""FSDP2's CPUOffloadPolicy (chapter 10): the same losses on CPU ranks; on GPUs, the states leave the device."""
+"""FSDP2's CPUOffloadPolicy (chapter 11): the same losses on CPU ranks; on GPUs, the states leave the device."""
 
 import pytest
 import torch

@@ -3,7 +3,7 @@
 The in-process checks take a device, so here they run on the CPU (bf16 autocast
 on the CPU, no pinned memory, no CUDA statistics): what a GPU adds is the device
 and the statistics, not another code path of the check. The checks that launch
-ranks are left to the GPU machine (chapters 06, 08 and 10's tests launch them).
+ranks are left to the GPU machine (chapters 07, 09 and 11's tests launch them).
 """
 
 from __future__ import annotations

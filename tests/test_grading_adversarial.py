@@ -51,7 +51,7 @@ def max_batch_size(budget_bytes, fixed_bytes, per_sample_bytes):
     raise ValueError(" | ".join(line.strip() for line in lines[-6:]))'''})
 
 FORGED = A.Attack(
-    "forged_answers", "07_pipeline_parallel", honest=0,
+    "forged_answers", "08_pipeline_parallel", honest=0,
     what="replaces the answers the kernel sends by the visible tests' expected values, and claims every error",
     cells={"q1_one_f_one_b": '''
 import sys

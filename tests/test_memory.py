@@ -42,7 +42,7 @@ COURSE_MODELS = {
     **{f"resnet_{kind}": (lambda kind=kind: _resnet(kind), "image") for kind in ("bn", "gn", "mabn")},
     "transformer": (lambda: TinyTransformer(max_len=64), "tokens"),
     "transformer_dropout": (lambda: TinyTransformer(max_len=64, dropout=0.1), "tokens"),
-    # chapter 10: fused attention (F.scaled_dot_product_attention); with dropout the CPU falls back to its math path
+    # chapter 11: fused attention (F.scaled_dot_product_attention); with dropout the CPU falls back to its math path
     "transformer_fused": (lambda: TinyTransformer(max_len=64, fused=True), "tokens"),
     "transformer_fused_dropout": (lambda: TinyTransformer(max_len=64, dropout=0.1, fused=True), "tokens"),
 }

@@ -1,4 +1,4 @@
-"""Chapter 11's mixture-of-experts MLP in one process: capacity, dispatch, routing, the auxiliary loss."""
+"""Chapter 12's mixture-of-experts MLP in one process: capacity, dispatch, routing, the auxiliary loss."""
 
 from __future__ import annotations
 

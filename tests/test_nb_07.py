@@ -1,4 +1,4 @@
-"""The claims of notebooks/07_pipeline_parallel.ipynb, measured at the test profile."""
+"""Chapter 07's claims, measured by the notebook at the test profile."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import pytest
 
 from conftest import notebook_claims
 
-pytestmark = [pytest.mark.notebook, pytest.mark.slow]
+pytestmark = pytest.mark.notebook
+
+TOL = 1e-5  # float32 sums in a different order
 
 
 @pytest.fixture(scope="module")
@@ -14,148 +16,87 @@ def claims() -> dict:
     return notebook_claims("07")
 
 
-def test_bubble_formula_figures(claims):
-    assert claims["ch07/bubble_naive"] == pytest.approx(0.75)           # p = 4, m = 1: (p-1)/p
-    assert claims["ch07/bubble_at_m_4p"] < 0.2                           # GPipe's m = 4p advice
+def test_split_gradient_identity(claims):
+    assert claims["ch07/split_grad_max_abs_diff"] < 1e-6, "mean of shard gradients = whole-batch gradient"
+    assert claims["ch07/bn_split_grad_max_abs_diff"] > 1e-3, "BatchNorm breaks the identity"
 
 
-def test_simulator_equals_formula_exactly(claims):
-    assert claims["ch07/sim_bubble_max_abs_error"] < 1e-12
+def test_hook_counts(claims):
+    assert claims["ch07/hook_calls_used_twice"] == 1
+    assert claims["ch07/hook_calls_reentrant_checkpoint"] == 2
+    assert claims["ch07/dynamic_hook_calls_reentrant"] == 2
+    # the text reads these off the table's "buckets re-sent" column: 0; 2 (the checkpointed block's weight
+    # bucket and the bucket its bias shares, both in the first step); 1 (the head's bucket on step 1 only)
+    assert claims["ch07/dynamic_resent_learned_counts"] == 0
+    assert claims["ch07/dynamic_resent_first_call"] == 2
+    assert claims["ch07/dynamic_first_call_grad_diff"] < TOL, "the re-sends repair the early buckets"
+    assert claims["ch07/dynamic_resent_graph_change"] == 1
 
 
-def test_inflight_gpipe_m_and_1f1b_p_minus_s(claims):
-    gpipe, ofob = claims["ch07/sim_peak_inflight_gpipe"], claims["ch07/sim_peak_inflight_1f1b"]
-    p, m = len(gpipe), gpipe[0]
-    assert gpipe == [m] * p
-    assert ofob == [min(p - s, m) for s in range(p)]
-    assert claims["ch07/exec_peak_inflight_gpipe"] == gpipe              # the real run holds what the simulator says
-    assert claims["ch07/exec_peak_inflight_1f1b"] == ofob
+def test_bucketed_ddp_fails_where_the_text_says(claims):
+    # "differ from the single process's by far more than rounding"; "the None pattern differs and the
+    # parameters drift apart"
+    assert claims["ch07/bucketed_grad_diff_reentrant"] > 1000 * TOL
+    assert claims["ch07/bucketed_none_match_unused"] is False
+    assert claims["ch07/bucketed_param_diff_unused"] > 100 * TOL
 
 
-def test_zero_bubble_third_of_1f1b_idle(claims):
-    assert claims["ch07/zb_idle_ratio_to_1f1b"] == pytest.approx(1 / 3, abs=1e-9)
+def test_buckets_grow_in_number_as_the_cap_shrinks(claims):
+    b = claims["ch07/resnet_buckets_by_cap_mb"]
+    assert b["25.0"] < b["0.5"] < b["0.1"]
 
 
-def test_interleaving_divides_the_idle_time_by_v(claims):
-    p = len(claims["ch07/sim_peak_inflight_gpipe"])
-    assert claims["ch07/interleaved_bubble_max_abs_error"] < 1e-12      # (p-1)/(v m + p - 1)
-    for v in (1, 2, 4):
-        assert claims[f"ch07/interleaved_idle_ratio_v{v}"] == pytest.approx(1 / v, abs=1e-9)
-        # the first device holds p (1 + (p-1)/(p v)) micro-batches' activations (Korthikanti et al. 2022)
-        held = p * (1 + (p - 1) / (p * v)) if v > 1 else p               # v = 1 is plain 1F1B
-        assert claims[f"ch07/interleaved_stage0_inflight_v{v}"] == pytest.approx(held)
+def test_sampler(claims):
+    assert claims["ch07/sampler_covers_dataset"] and claims["ch07/sampler_equal_shards"]
+    assert claims["ch07/sampler_padded_indices"] == 2  # 10 indices on 4 ranks: 3 each, 2 repeated
 
 
-def test_pipelines_equal_the_sequential_model(claims):
-    for key in ("byhand_grad_max_abs_diff", "exec_output_max_abs_diff", "exec_grad_max_abs_diff",
-                "torch_output_max_abs_diff", "torch_grad_max_abs_diff"):
-        assert claims[f"ch07/{key}"] < 1e-5, key
+@pytest.mark.parametrize("kind", ["naive", "bucketed", "dynamic", "torch"])
+def test_wrappers_equal_single_process(claims, kind):
+    assert claims[f"ch07/grad_max_abs_diff/{kind}"] < TOL
+    assert claims[f"ch07/param_max_abs_diff/{kind}"] < TOL
 
 
-def test_measured_bubble_within_005_of_formula(claims):
-    assert claims["ch07/exec_bubble_error_gpipe"] <= 0.05
-    assert claims["ch07/exec_bubble_error_1f1b"] <= 0.05
-    assert claims["ch07/exp_bubble_max_abs_error"] <= 0.05
+def test_unused_parameters_keep_no_gradient(claims):
+    assert claims["ch07/grad_none_pattern_matches"] is True
 
 
-def test_activation_memory(claims):
-    # measured bytes = in-flight count x bytes of one micro-batch, exactly
-    assert claims["ch07/exec_peak_bytes_vs_predicted_gpipe"] < 1e-9
-    assert claims["ch07/exec_peak_bytes_vs_predicted_1f1b"] < 1e-9
-    # the largest m of every profile's sweep is at least 2p: GPipe's stage 0 holds at least twice 1F1B's
-    assert claims["ch07/exp_stage0_bytes_ratio_gpipe_1f1b"] >= 2.0 - 1e-9
-    assert claims["ch07/exp_1f1b_stage0_bytes_spread"] == pytest.approx(1.0)   # 1F1B flat once m >= p
+def test_messages_and_bytes(claims):
+    tensors = claims["ch07/tensors_in_timing_model"]
+    assert claims["ch07/messages_per_step/naive"] == tensors
+    assert claims["ch07/messages_per_step/bucketed"] < tensors
+    for kind in ("naive", "bucketed", "torch"):
+        assert claims[f"ch07/bytes_sent_over_grad_bytes/{kind}"] == 1.0, "2(N-1)/N = 1 at N = 2"
+    extra = claims["ch07/bytes_sent_over_grad_bytes/dynamic"] - 1.0  # + 4-byte flags
+    assert 0 < extra < 1e-3
 
 
-def test_sent_tensors_are_freed_once_the_peer_has_them(claims):
-    ofob, gpipe = claims["ch07/exec_sends_held_1f1b"], claims["ch07/exec_sends_held_gpipe"]
-    p, m = len(ofob), claims["ch07/sim_peak_inflight_gpipe"][0]
-    assert ofob == claims["ch07/exec_sends_bound_1f1b"]                  # what the schedule allows, no more
-    # the text's formula: min(p, m) on stage 0 (its warm-up's activations), min(p - s + 1, m) on stage s >= 1
-    # (the gradients of its cool-down, which the stage before never acknowledges): about p, not m
-    assert ofob == [min(p, m)] + [min(p - s + 1, m) for s in range(1, p)]
-    assert claims["ch07/sends_bound_formula_mismatches"] == []           # and for p = 2..8, m = 1..24
-    assert gpipe == claims["ch07/exec_sends_bound_gpipe"] == [m] * p
+def test_no_sync(claims):
+    for kind in ("torch", "bucketed", "dynamic"):
+        assert claims[f"ch07/no_sync_allreduce_ratio/{kind}"] == 4.0, "k = 4 micro-batches: 4x fewer all-reduces"
+        assert claims[f"ch07/no_sync_grad_max_abs_diff/{kind}"] < 1e-6
 
 
-def test_interleaved_and_zero_bubble_for_real(claims):
-    p = len(claims["ch07/sim_peak_inflight_gpipe"])
-    m = claims["ch07/sim_peak_inflight_gpipe"][0]
-    for kind in ("interleaved", "zb-h1"):
-        assert claims[f"ch07/exec_bubble_error_{kind}"] <= 0.05, kind
-        assert claims[f"ch07/exec_grad_max_abs_diff_{kind}"] < 1e-5, kind
-        assert claims[f"ch07/exec_peak_inflight_{kind}"] == claims[f"ch07/exec_peak_inflight_sim_{kind}"], kind
-    # the executor counts one graph per micro-batch and chunk; in whole-stage units the first device holds
-    # p (1 + (p-1)/(p v)), the 5.5 the text cites for p = 4, v = 2 (Korthikanti et al. 2022)
-    assert claims["ch07/exec_stage0_inflight_stages_interleaved"] == pytest.approx(p * (1 + (p - 1) / (p * 2)))
-    assert claims["ch07/zb_sim_bubble_max_abs_error"] < 1e-12            # the paper's formula
-    assert claims["ch07/exec_peak_inflight_zb-h1"] == [min(p, m)] * p     # W keeps the graph alive longer
-    assert claims["ch07/exec_zb_bytes_over_1f1b"] == pytest.approx([min(p, m) / min(p - s, m) for s in range(p)])
-    v = 2
-    assert claims["ch07/exec_messages_interleaved"] == 2 * (p * v - 1) * m
-    assert claims["ch07/exec_messages_1f1b"] == 2 * (p - 1) * m
-    assert claims["ch07/exec_bytes_ratio_interleaved_1f1b"] == pytest.approx((p * v - 1) / (p - 1))
-    # idle over compute near (p - 1) / (v m), as Narayanan et al. 2021 count it
-    assert claims["ch07/exec_interleaved_idle_over_busy"] == pytest.approx((p - 1) / (v * m), abs=0.1)
+def test_batchnorm(claims):
+    assert claims["ch07/bn_sync_grad_max_abs_diff"] < TOL
+    assert claims["ch07/bn_per_rank_grad_max_abs_diff"] > 100 * max(claims["ch07/bn_sync_grad_max_abs_diff"], 1e-7)
+    assert claims["ch07/bn_per_rank_running_mean_spread"] > 0
 
 
-def test_split_backward_runs_one_backward_s_ops_once(claims):
-    # counted on every rank of the real run: ZB-H1's B + W equal 1F1B's backward, operator for operator
-    assert claims["ch07/split_count_mismatches"] == []
-    linears = claims["ch07/split_linears"]
-    # each linear layer: its input product in B (stage 0's first layer too: its input is the embedding's
-    # output), its weight product in W; one backward runs both
-    assert claims["ch07/split_mm_B"] == claims["ch07/split_mm_W"] == linears
-    assert claims["ch07/split_mm_1f1b"] == [2 * n for n in linears]
-    assert claims["ch07/split_bmm_W"] == [0] * len(linears)              # attention's products: all in B
-    assert all(b > 0 for b in claims["ch07/split_bmm_B"])
-    assert claims["ch07/split_embedding_backward_in_b"] == 0             # the lookup's backward is W's
+def test_ring_all_reduce_volume(claims):
+    ratio = claims["ch07/ring_bytes_over_grad_bytes"]
+    for n, value in ratio.items():
+        assert value == pytest.approx(2 * (int(n) - 1) / int(n)), f"N={n}"
+    assert claims["ch07/ring_all_reduce_max_abs_diff"] < TOL
 
 
-def test_unpadded_runs_compute_the_same_gradients(claims):
-    for kind in ("1f1b", "zb-h1"):
-        assert claims[f"ch07/unpadded_grad_max_abs_diff_{kind}"] < 1e-5, kind
-        assert claims[f"ch07/unpadded_step_ms_{kind}"] > 0
-
-
-def test_torch_runs_every_schedule_with_the_same_loss(claims):
-    assert claims["ch07/torch_schedules"] == sorted(["ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
-                                                     "ScheduleInterleavedZeroBubble"])
-    assert claims["ch07/torch_loss_max_abs_diff"] < 1e-5
-
-
-def test_pipedream_versions_and_stash(claims):
-    p = len(claims["ch07/sim_peak_inflight_gpipe"])
-    assert claims["ch07/pd_sim_staleness"] == claims["ch07/pd_staleness"] == [p - s - 1 for s in range(p)]
-    assert claims["ch07/pd_sim_peak_stashed"] == claims["ch07/pd_peak_copies"] == [p - s for s in range(p)]
-    assert claims["ch07/pd_stash_bytes_over_formula"] == pytest.approx(1.0)   # (p - s) copies of the weights
-
-
-def test_pipedream_without_stashing_is_inconsistent(claims):
-    assert claims["ch07/pd_autograd_refuses_mixed_versions"] is True
-    assert claims["ch07/pd_stashed_grad_rel_error_old"] < 1e-5               # stashing: the true gradient
-    assert claims["ch07/pd_mixed_grad_rel_error_old"] > 0.05                 # mixing: neither version's
-    assert claims["ch07/pd_mixed_grad_rel_error_new"] > 0.05
-
-
-def test_pipedream_training_and_time(claims):
-    assert claims["ch07/pd_first_loss_diff"] < 1e-5                          # the first step is not stale
-    # both learn: the loss starts near ln 64 = 4.16
-    assert claims["ch07/pd_eval_sync_mean"] < 4.0 and claims["ch07/pd_eval_async_mean"] < 4.0
-    lo, hi = claims["ch07/pd_eval_gap_range"]
-    assert 0 < lo <= claims["ch07/pd_eval_gap_mean"] <= hi                   # stale gradients cost loss, every seed
-    assert claims["ch07/pd_bubble_error_async"] <= 0.05
-    assert claims["ch07/pd_bubble_error_flush"] <= 0.05
-    assert claims["ch07/pd_time_ratio_flush_over_async"] > 1.05              # no flush: less time
-
-
-def test_comparison_table_is_measured(claims):
-    table = claims["ch07/table"]
-    assert set(table) == {"gpipe", "1f1b", "interleaved", "zb-h1", "pipedream"}
-    for kind, row in table.items():
-        assert abs(row["bubble"] - row["formula"]) <= 0.05, kind
-    p = len(claims["ch07/sim_peak_inflight_gpipe"])
-    assert table["1f1b"]["peak_inflight"] == p and table["gpipe"]["peak_inflight"] > p
-    assert table["interleaved"]["messages"] > table["1f1b"]["messages"] == table["pipedream"]["messages"]
-    assert table["zb-h1"]["bubble"] < table["1f1b"]["bubble"]
-    assert table["pipedream"]["weight_copies"] == p
+def test_weak_scaling_gives_every_rank_the_same_work(claims):
+    # DistributedSampler: each rank's shard is its batches for the warm-up and the timed steps, at every N
+    per_rank = claims["ch07/scaling_batch_per_rank"] * (claims["ch07/scaling_steps"] + 1)
+    assert set(claims["ch07/scaling_shard_sizes"].values()) == {per_rank}
+    # "the CPU time of compute alone should stay about the same": the work per rank does not grow with N
+    # (CPU time, not wall-clock time, so a busy machine does not move it; the timing ratios are benchmarks)
+    cpu = claims["ch07/scaling_compute_cpu_ms"]
+    one = cpu[min(cpu, key=int)]
+    for n, v in cpu.items():
+        assert 0.6 < v / one < 1.6, f"N={n}: {v:.1f} ms of CPU per rank and step against {one:.1f} at one rank"

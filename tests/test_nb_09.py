@@ -7,106 +7,111 @@ from conftest import notebook_claims
 
 pytestmark = pytest.mark.notebook
 
-EXACT = 1e-9  # ratios of byte counts: exact unless a count is wrong
-
 
 @pytest.fixture(scope="module")
 def c() -> dict:
     return notebook_claims("09")
 
 
-def test_splits_by_hand_in_one_process(c: dict) -> None:
-    assert max(c["ch09/split_max_diff"].values()) < 1e-12
-    assert c["ch09/gelu_of_partial_sums_diff"] > 1e-2, "GeLU of partial sums is not the GeLU of the sum"
-    attn = c["ch09/attention_diff"]
-    assert attn["head_major"] < 1e-12 and attn["heads_split"] < 1e-12
-    assert attn["naive_rows"] > 1e-2, "contiguous rows of [q | k | v] are not whole heads"
+def test_formulas(c: dict) -> None:
+    assert abs(c["ch09/mixed_adam_bytes_per_param"] - 16) < 0.01  # 2 + 2 + 12, plus a step counter per tensor
+    assert abs(c["ch09/fp32_adam_bytes_per_param"] - 16) < 0.01  # 4 + 4 + 8: what sections 3-6 measure
+    assert c["ch09/paper_example_gb"] == [120.0, 31.4, 16.6, 1.9]  # Rajbhandari et al. 2020, Figure 1
 
 
-def test_f_and_g(c: dict) -> None:
-    total = c["ch09/sum_of_values"]
-    assert total == 10  # ranks hold 1, 2, 3, 4
-    assert c["ch09/f"] == {"forward": 1.0, "backward": total}
-    assert c["ch09/g"] == {"forward": total, "backward": 1.0}
+def test_zero_by_hand_is_adam(c: dict) -> None:
+    assert c["ch09/byhand_max_diff_float64"] < 1e-10
+    # float32: the key bias (true gradient 0, pure rounding noise) drifts most, by Adam's step for noise
+    assert "qkv.bias" in c["ch09/byhand_float32_worst_param"]
+    assert c["ch09/key_bias_grad_max"] < 1e-6 < c["ch09/query_bias_grad_max"]
+    # Adam turns that noise into steps of lr |g| / (|g| + eps): over the steps, the order of the float32 difference
+    ratio = c["ch09/byhand_max_diff_float32"] / c["ch09/key_bias_noise_drift"]
+    assert 0.1 < ratio < 10, f"float32 difference / Adam's drift for the noise = {ratio}"
+    fractions = c["ch09/byhand_optimizer_fraction"]
+    assert all(abs(f * len(fractions) - 1) < 0.01 for f in fractions)
 
 
-def test_shard_shapes(c: dict) -> None:
-    s = c["ch09/local_shapes_t2"]
-    h = s["ln1.weight"][0]
-    assert s["attn.qkv.weight"] == [3 * h // 2, h] and s["attn.proj.weight"] == [h, h // 2]
-    assert s["mlp.0.weight"] == [2 * h, h] and s["mlp.2.weight"] == [h, 2 * h]
-    assert s["attn.proj.bias"] == s["mlp.2.bias"] == [h], "row-parallel biases stay whole"
+def test_real_ranks_train_like_adam(c: dict) -> None:
+    assert c["ch09/exact_max_param_diff"] < 1e-5
+    assert c["ch09/max_loss_diff_float32"] < 1e-4
+    assert c["ch09/final_loss_spread"] < 1e-4
+    assert 0 < c["ch09/bf16_max_loss_diff"] < 0.05  # bf16 compute: close, not equal
+    assert c["ch09/fsdp2_param_placements"] == "(Shard(dim=0),)"
+    assert c["ch09/fsdp2_param_local_rows_fraction"] == 0.5
 
 
-def test_split_blocks_equal_one_process(c: dict) -> None:
-    assert c["ch09/max_diff_float64"] < 1e-12
-    assert c["ch09/max_diff_float32"] < 1e-4
+def test_memory_per_rank_follows_the_formulas(c: dict) -> None:
+    for key, ratio in c["ch09/held_over_formula"].items():
+        for part, r in ratio.items():
+            assert abs(r - 1) < 0.02, f"{key} {part}: measured / formula = {r}"
+    for key, r in c["ch09/optimizer_total_over_one_copy"].items():
+        method, world = key.split("/")
+        copies = int(world) if method == "ddp" else 1  # DDP replicates; ZeRO and FSDP2 hold it once
+        assert abs(r / copies - 1) < 0.01, f"{key}: optimizer state held {r} times"
+    imbalance = c["ch09/optimizer_imbalance"]
+    assert imbalance["zero1"] == 1.0 and imbalance["zero_redundancy"] >= 1.0
 
 
-def test_bytes_and_calls_per_block(c: dict) -> None:
-    ratios = c["ch09/comm_over_formula"]
-    assert {"tp/2", "tp/4", "sp/2", "sp/4", "sp_regather/4", "api_tp/4", "api_sp/4"} <= set(ratios)
-    assert all(abs(r - 1) < EXACT for r in ratios.values()), ratios
-    calls = c["ch09/calls_per_block"]
-    assert calls["tp/4"] == {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 2}}
-    assert calls["sp/4"] == {"forward": {"all_gather": 2, "reduce_scatter": 2},
-                             "backward": {"all_gather": 2, "reduce_scatter": 2}}
-    assert calls["sp_regather/4"]["backward"] == {"all_gather": 4, "reduce_scatter": 2}
-    assert all(abs(v - 1) < EXACT for v in c["ch09/sp_over_tp_bytes"].values()), "SP moves what TP moves"
-    assert all(abs(v - 1.25) < EXACT for v in c["ch09/regather_over_tp_bytes"].values())
-    assert all(abs(v - 1) < EXACT for v in c["ch09/sp_sync_bytes_over_formula"].values())
+def test_peak_per_rank(c: dict) -> None:
+    for key, r in c["ch09/resident_over_formula"].items():  # resident at a step's start: the states and the batch
+        assert abs(r - 1) < 0.02, f"{key}: resident / (formula + batch) = {r}"
+    peak, transient = c["ch09/peak_mb"], c["ch09/transient_mb"]
+    for n in (2, 4):
+        assert peak[f"ddp/{n}"] > peak[f"zero1/{n}"] > peak[f"zero2/{n}"], f"N = {n}: {peak}"
+        assert abs(transient[f"zero1/{n}"] / transient[f"ddp/{n}"] - 1) < 0.02  # the same activations
+        others = max(transient[f"{m}/{n}"] for m in ("ddp", "zero1", "zero2"))
+        assert transient[f"fsdp2/{n}"] > others  # gathered blocks and their gradients in flight
+    for n, saving in c["ch09/zero2_peak_saving_over_grad_share"].items():
+        # what ZeRO-2 does not hold, (N-1)/N of the gradient, less the bucket in flight. On a CPU the peak errs
+        # high by the buffers gloo frees on its own thread (zero_compare.MEASURED_STEPS): at 4 ranks, smoke, on
+        # idle machines it measured 0.71 on most runs and 0.68 on one: the bound keeps the claim (most of the share
+        # is saved) with room for that error
+        assert 0.6 <= saving <= 1.05, f"N = {n}: ZeRO-2 saves {saving} x (N-1)/N x G"
 
 
-def test_activation_formula(c: dict) -> None:
-    s, h, a = 2048, 12288, 96  # the paper's GPT-3 example, Table 2
-    gb = c["ch09/gpt3_layer_activation_gb"]
-    assert gb["t=1"] == pytest.approx(s * h * (34 + 5 * a * s / h) / 1e9)
-    assert gb["tp t=8"] == pytest.approx(s * h * (10 + 24 / 8 + 5 * a * s / (8 * h)) / 1e9)
-    assert gb["tp+sp t=8"] == pytest.approx(s * h * (34 + 5 * a * s / h) / 8 / 1e9)
+def test_bf16_mixed_precision(c: dict) -> None:
+    # fp32 shards, gradients and Adam moments as in fsdp2; the transient (gathered weights, activations) is bf16
+    assert abs(c["ch09/bf16_held_over_fp32"] - 1) < 0.001
+    assert 0.35 < c["ch09/bf16_transient_over_fp32"] < 0.75, c["ch09/bf16_transient_over_fp32"]
+    peak = c["ch09/bf16_peak_mb"]
+    assert abs(peak["fsdp2_bf16_resident"] / peak["fsdp2_resident"] - 1) < 0.01  # the same resident states ...
+    assert peak["fsdp2_bf16"] < 0.9 * peak["fsdp2"]  # ... and a lower peak: the text's "peaks lower"
+    if c.get("ch09/bf16_emulated"):  # the printed verdict "emulated" must show in the measured bf16 compute
+        assert c["ch09/bf16_compute_over_fp32"] > 1.5, c["ch09/bf16_compute_over_fp32"]
 
 
-def test_activations_measured_per_rank(c: dict) -> None:
-    assert all(r == 1.0 for r in c["ch09/saved_over_formula"].values()), c["ch09/saved_over_formula"]
-    f = c["ch09/saved_fraction_of_one_process"]
-    for t in (2, 4):
-        assert f[f"tp/{t}"] > f[f"sp/{t}"] > f[f"sp_regather/{t}"]
-        # with the regather all but the s x s mask falls as 1/t
-        assert abs(f[f"sp_regather/{t}"] * t - 1) < 0.01
-    assert f["tp/4"] < f["tp/2"] and f["sp/4"] < f["sp/2"]
+def test_buckets_leave_during_the_backward(c: dict) -> None:
+    assert c["ch09/timeline_stage1_during_backward"] == 0  # stage 1 reduces in step()
+    assert c["ch09/timeline_stage2_before_last_grad"] >= 1  # stage 2: a bucket left before the last gradient
+    after, buckets = c["ch09/timeline_stage2_after_backward"]
+    assert after == buckets > 1
+    assert c["ch09/timeline_stage2_full_grad_bytes"] == 0
+    assert 0.5 <= c["ch09/timeline_slice_over_grad"] < 0.51  # 1/N of the gradient at N = 2, plus padding
 
 
-def test_tp_stays_in_a_node(c: dict) -> None:
-    r = c["ch09/comm_over_compute"]
-    assert r["nvlink"] < 0.5 < 1 < r["infiniband"]
-    assert r["infiniband"] / r["nvlink"] == pytest.approx(9)  # 450 GB/s against 50 GB/s
+def test_accumulation_traffic(c: dict) -> None:
+    r = c["ch09/accum_comm_ratio"]  # A = 2 micro-batches per step, against DDP under no_sync
+    assert abs(r["zero1"] - 1) < 0.01
+    assert abs(r["zero2"] - 1.5) < 0.01  # (A + 1) / 2: a reduce-scatter after every micro-batch
+    assert abs(r["fsdp2"] / 3 - 1) < 0.05  # 3A / 2
 
 
-def test_real_api(c: dict) -> None:
-    for method, r in c["ch09/api_vs_by_hand"].items():
-        assert r["same_traffic"] is True, f"{method}: torch's plan should send what the layers by hand send"
-        assert r["saved_over_hand"] == 1.0
-    assert c["ch09/local_output_backward_calls"] == {"all_gather": 2, "all_reduce": 2}
-    assert abs(c["ch09/local_output_backward_bytes_ratio"] - 1.5) < EXACT
+def test_communication_is_1x_1x_1p5x(c: dict) -> None:
+    expected = {"ddp": 1.0, "zero1": 1.0, "zero2": 1.0, "fsdp2": 1.5, "fsdp2_keep": 1.0, "zero_redundancy": 1.5,
+                "fsdp2_bf16": 1.0}
+    ratios = c["ch09/comm_ratio"]
+    assert {"zero1/2", "zero2/2", "fsdp2/2", "zero1/4", "zero2/4", "fsdp2/4"} <= set(ratios)
+    for key, r in ratios.items():
+        want = expected[key.split("/")[0]]
+        assert abs(r / want - 1) < 0.05, f"{key}: {r} x DDP, expected {want}"
+    assert abs(c["ch09/bf16_allgather_ratio"] - 0.5) < 0.01
 
 
-def test_2d_mesh(c: dict) -> None:
-    p = c["ch09/mesh_placements"]
-    assert p["blocks.0.attn.proj.weight"] == "(Shard(dim=0), Shard(dim=1))"
-    assert p["blocks.0.attn.qkv.weight"].startswith("(_StridedShard(dim=0")
-    assert all(d < 1e-10 for d in c["ch09/mesh_param_diff_float64"].values())
-    assert all(d < 1e-5 for d in c["ch09/mesh_loss_diff_float32"].values())
-    for layout, parts in c["ch09/mesh_held_over_formula"].items():
-        assert all(r == 1.0 for r in parts.values()), f"{layout}: {parts}"
-    assert all(r == 1.0 for r in c["ch09/mesh_saved_over_formula"].values())
-    partial = c["ch09/partial_grads"]
-    assert partial["4x1"] == partial["2x2"] == 0 and partial["1x4"] > 0 and partial["1x4"] % 4 == 0
-    assert c["ch09/lazy_allreduces_per_partial_grad"] == 3.0
-
-
-def test_layouts(c: dict) -> None:
-    t = c["ch09/layout_table"]
-    assert t["4x1"]["states_mb"] < t["2x2"]["states_mb"] < t["1x4"]["states_mb"]
-    assert t["4x1"]["activations_mb"] < t["2x2"]["activations_mb"] < t["1x4"]["activations_mb"]
-    assert t["4x1"]["tp_kb"] == 0 and t["1x4"]["fsdp_kb"] == 0 and t["2x2"]["tp_kb"] > 0 < t["2x2"]["fsdp_kb"]
-    for layout, (tp, fsdp) in c["ch09/layout_traffic_over_formula"].items():
-        assert abs(tp - 1) < EXACT and abs(fsdp - 1) < EXACT, f"{layout}: TP {tp}, FSDP {fsdp}"
+def test_checkpoints(c: dict) -> None:
+    assert c["ch09/crash_happened"] is True
+    assert c["ch09/incomplete_has_metadata"] == [False]
+    assert c["ch09/resume_state_intact"] is True
+    assert c["ch09/resume_identical"] is True and c["ch09/resume_max_abs_diff"] == 0.0
+    for world, r in c["ch09/reshard"].items():
+        assert r["state_intact"] is True, f"loading at world size {world} changed the state"
+        assert r["max_loss_diff"] < 1e-5

@@ -1,4 +1,4 @@
-"""Pipeline schedules, the simulator, the Gantt chart, and one real multi-process run (chapter 07)."""
+"""Pipeline schedules, the simulator, the Gantt chart, and one real multi-process run (chapter 08)."""
 
 from __future__ import annotations
 
@@ -733,7 +733,7 @@ def test_real_pipeline_on_nccl_matches_and_times_with_cuda_events():
         assert abs(run.bubble_measured - bubble_formula(p, m)) <= 0.05, (run.kind, run.bubble_measured)
 
 
-# ----- exercise 07, question 5: honest wrong answers fail the visible tests ---------------
+# ----- exercise 08, question 5: honest wrong answers fail the visible tests ---------------
 
 _WRONG_VERSIONS = {
     "the update of its own backward counted as stale": ("            stale = max(stale, version - forward[i])\n"
@@ -751,7 +751,7 @@ def test_exercise_weight_versions_catches_honest_mistakes(mistake, tmp_path):
     import adversarial
     from course_lib.tools.grading.grade import grade_notebook
 
-    stem, gid = "07_pipeline_parallel", "q5_weight_versions"
+    stem, gid = "08_pipeline_parallel", "q5_weight_versions"
     right = adversarial.solution_source(stem, gid)
     old, new = _WRONG_VERSIONS[mistake]
     assert old in right

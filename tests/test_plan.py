@@ -157,7 +157,7 @@ def test_more_ranks_shard_the_states_and_make_room():
     p = planner.plan(model, (T,), B, budget, world_size=4, tensor_parallel=False)  # ZeRO alone
     assert p.config.zero_stage >= 1 and p.predicted_peak_bytes <= 0.95 * budget
     assert p.config.micro_batch * p.config.accumulation_steps == B // 4
-    # per-rank states fall stage by stage (chapter 08): optimizer state, then gradients, then parameters
+    # per-rank states fall stage by stage (chapter 09): optimizer state, then gradients, then parameters
     meas = p.measurements
     peaks = [planner.predict_peak(meas, planner.Config("fp32", 1, 4, 1, s), 4) for s in range(4)]
     assert peaks[1]["optimizer"] == pytest.approx(meas.optimizer_bytes / 4, rel=1e-6)
@@ -260,14 +260,14 @@ def test_context_parallel_layouts_are_searched(model):
     p = planner.plan(model, (T,), 2, 1 << 34, world_size=4, tensor_parallel=False, precisions=("fp32",))
     cps = {c.config.cp for c in p.candidates}
     assert cps == {2, 4}, cps
-    for c in p.candidates:  # what the ring runs: the fused kernel's saves, nothing of chapter 10's else
+    for c in p.candidates:  # what the ring runs: the fused kernel's saves, nothing of chapter 11's else
         cfg = c.config
         assert cfg.fused and cfg.segments == 1 and cfg.tp == 1 and cfg.loss_chunks == 1 and not cfg.offload
         assert cfg.micro_batch * cfg.accumulation_steps == 2 // planner.data_parallel_ranks(cfg, 4)
     assert {c.config.zero_stage for c in p.candidates if c.config.cp == 4} == {0, 1, 2, 3}  # over the 4 ranks
     d = planner.data_parallel_ranks(p.config, 4)
     assert f"on {d} data-parallel x {p.config.cp} context-parallel ranks" in p.explanation
-    assert "The ring (chapter 11) sends" in p.explanation
+    assert "The ring (chapter 12) sends" in p.explanation
     assert planner.layout(p.config, 4) in p.table()
     with pytest.raises(ValueError, match="does not split evenly"):  # the ring needs the fused kernel's saves
         planner.plan(model, (T,), 2, 1 << 34, world_size=4, tensor_parallel=False, fused=False)
@@ -322,7 +322,7 @@ def test_image_models_get_image_batches(net):
     assert p.measurements.batch_bytes_per_sample == 3 * 32 * 32 * 4 + 8  # an fp32 image and an int64 label
 
 
-# ----- chapter 10's options: fused attention, the chunked loss, offload ---------------------------------
+# ----- chapter 11's options: fused attention, the chunked loss, offload ---------------------------------
 
 
 def test_fused_attention_is_searched_for_attention_models_and_offload_only_on_a_gpu(model, measured_plan):
@@ -363,7 +363,7 @@ def lm_model() -> TinyTransformer:
 
 @pytest.fixture(scope="module")
 def lm_plan(lm_model) -> planner.Plan:
-    # on the CPU: chapter 10's simulated host; bf16 on every CPU, as above
+    # on the CPU: chapter 11's simulated host; bf16 on every CPU, as above
     return planner.plan(lm_model, (T,), B, 1 << 34, offload=True, precisions=("fp32", "bf16"))
 
 
@@ -407,7 +407,7 @@ def test_offload_is_an_upper_estimate_above_the_floor(lm_model, lm_plan, cfg):
     const, per_sample, _ = planner.block_saves(meas, cfg)
     kept = planner.predict_peak(meas, dataclasses.replace(cfg, offload=False))["total"]
     # above the floor (what is left when every block's saves are gone, bf16 weight copies included), and never
-    # above the prediction, which keeps one block's saves and every constant part (chapter 10)
+    # above the prediction, which keeps one block's saves and every constant part (chapter 11)
     floor = kept - meas.n_blocks * (const + per_sample * cfg.micro_batch)
     assert floor <= peak <= 1.01 * predicted, (floor, peak, predicted)
     measured_kept, _ = run_and_measure(lm_model, dataclasses.replace(cfg, offload=False))
@@ -471,7 +471,7 @@ def test_chapter_11_options_refuse_what_they_cannot_run(model, measured_plan, lm
                            planner.Config("fp32", 4, 1, 1, 0, loss_chunks=2))
 
 
-# ----- chapter 11: context and expert parallelism ---------------------------------------------
+# ----- chapter 12: context and expert parallelism ---------------------------------------------
 
 
 def test_context_parallel_configs_are_checked():
@@ -520,7 +520,7 @@ def test_expert_parallel_layouts():
         planner.predict_experts(d, hid, E, tokens, k, 3, 4)
 
 
-# ----- pipeline stages and interleaving (chapter 07) ------------------------------------------------------------
+# ----- pipeline stages and interleaving (chapter 08) ------------------------------------------------------------
 
 
 def test_pipeline_terms_are_chapter_07s_schedules():

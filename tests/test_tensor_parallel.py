@@ -1,4 +1,4 @@
-"""Chapter 09's tensor and sequence parallelism: the layers by hand, torch's API, the 2-D mesh, the formulas.
+"""Chapter 10's tensor and sequence parallelism: the layers by hand, torch's API, the 2-D mesh, the formulas.
 
 The single-process tests check the building blocks and the formulas against
 the paper's closed forms; one launch on 4 ranks checks the collectives, the

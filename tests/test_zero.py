@@ -1,4 +1,4 @@
-"""The hand-written ZeRO of chapter 08: shard boundaries, formulas, clear errors, and real ranks.
+"""The hand-written ZeRO of chapter 09: shard boundaries, formulas, clear errors, and real ranks.
 
 The single-process tests use a gloo group of world size 1 in this process;
 one launch on 3 ranks (an uneven split of every bucket) checks the

@@ -1,4 +1,4 @@
-"""ZeroOptimizer when the ranks disagree: a skipped backward, an error on one rank, clipping (chapter 08).
+"""ZeroOptimizer when the ranks disagree: a skipped backward, an error on one rank, clipping (chapter 09).
 
 One launch on 2 gloo ranks (``course_lib.workers.zero_faults``) with a short
 process-group timeout: a rank left waiting in a collective turns into a failed

@@ -1,16 +1,16 @@
-"""Distributed training (chapters 06-09; chapters 10 and 12 launch its workers too).
+"""Distributed training (chapters 07-10; chapters 11 and 13 launch its workers too).
 
 - ``launch``: run worker modules under torchrun from a notebook or a test; the worker's init/report/shutdown.
 - ``results``: the dataclasses workers report, rebuilt on the parent's side with ``from_dict``.
 - ``clock``: timing on the CPU (``perf_counter``) or the GPU (CUDA events), with padding to a fixed duration.
 - ``comm``: collectives that count the bytes they send, batched point-to-point messages, a ring all-reduce by hand.
-- ``ddp``: ``NaiveDDP`` and ``BucketedDDP``, the teaching versions of ``DistributedDataParallel`` (chapter 06);
+- ``ddp``: ``NaiveDDP`` and ``BucketedDDP``, the teaching versions of ``DistributedDataParallel`` (chapter 07);
   ``ddp_dynamic``: ``DynamicBucketedDDP``, for hook counts, unused parameters and re-sends.
-- ``zero``: ZeRO-1/2 by hand (``ZeroOptimizer``) and FSDP2's traffic and memory measured (chapter 08).
+- ``zero``: ZeRO-1/2 by hand (``ZeroOptimizer``) and FSDP2's traffic and memory measured (chapter 09).
   Its pieces: ``zero_buckets`` (the flat layout), ``zero_stage1`` and ``zero_stage2`` (each stage's gradients),
   ``zero_agreement`` (what the ranks agree on so that none is left waiting).
-- ``tensor_parallel``: Megatron's column- and row-parallel layers, f and g, sequence parallelism (chapter 09);
-  ``tp_costs``: their bytes, activations and traffic in formulas (chapter 09, and the capstone's planner).
+- ``tensor_parallel``: Megatron's column- and row-parallel layers, f and g, sequence parallelism (chapter 10);
+  ``tp_costs``: their bytes, activations and traffic in formulas (chapter 10, and the capstone's planner).
 
 Worker entry points live in ``course_lib.workers``.
 """

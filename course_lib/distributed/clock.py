@@ -1,4 +1,4 @@
-"""Clocks for timing work on the CPU or on a GPU (chapters 06-07).
+"""Clocks for timing work on the CPU or on a GPU (chapters 07-08).
 
 GPU work is asynchronous: a CUDA kernel, and on NCCL a ``recv`` too, returns
 to Python before the GPU has done anything, so ``time.perf_counter`` measures
@@ -10,7 +10,7 @@ three calls, so a worker times its steps the same way on either device::
     a = clock.mark(); step(); b = clock.mark()
     seconds = clock.elapsed(a, b)
 
-``pad(began, seconds)`` stretches an op to a fixed duration (chapter 07's
+``pad(began, seconds)`` stretches an op to a fixed duration (chapter 08's
 equal stage costs): the CPU clock sleeps, the CUDA clock keeps the stream
 busy with a spin kernel that starts with the op, so the op lasts
 max(its work, ``seconds``) on the GPU's own timeline, with no synchronisation.

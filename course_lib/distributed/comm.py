@@ -1,4 +1,4 @@
-"""Collectives that count the bytes they send (chapters 06-09 and 11).
+"""Collectives that count the bytes they send (chapters 07-10 and 12).
 
 Each wrapper forwards to ``torch.distributed`` and adds to a ``ByteCounter``
 the bytes that *this rank* sends under the ring algorithm (Patarasuk & Yuan
@@ -9,7 +9,7 @@ on ``N`` ranks:
 - reduce-scatter:   (N-1)/N x B   (B = the full tensor, each rank keeps 1/N)
 - all-gather:       (N-1)/N x B   (B = the full tensor, each rank brings 1/N)
 - broadcast:        (N-1)/N x B   (a chain: N-1 links carry B; averaged over the N ranks)
-- all-to-all:       the rows sent to other ranks (uneven splits; chapter 11's experts)
+- all-to-all:       the rows sent to other ranks (uneven splits; chapter 12's experts)
 
 So an all-reduce costs about twice the gradient per rank whatever N is: the
 reason data parallelism scales. The counts are what the algorithm sends, not

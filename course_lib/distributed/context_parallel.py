@@ -1,4 +1,4 @@
-"""Context parallelism: ring attention over ranks that each hold a slice of the sequence (chapter 11).
+"""Context parallelism: ring attention over ranks that each hold a slice of the sequence (chapter 12).
 
 Each of ``c`` ranks holds ``T/c`` of the sequence's positions: its queries,
 keys and values. Everything in a transformer layer but attention works on
@@ -6,7 +6,7 @@ positions independently, so only attention needs the others' keys and
 values. Ring attention (Liu et al. 2023, "Ring Attention with Blockwise
 Transformers for Near-Infinite Context") passes the key/value blocks around a
 ring of ranks, ``c - 1`` hops, and each rank merges the partial results of
-its queries against each block with the online softmax of chapter 10: a
+its queries against each block with the online softmax of chapter 11: a
 partial result is an output ``o`` (already normalised) and one log-sum-exp
 ``L`` per query row, and two merge as softmax-weighted averages (``merge``).
 The backward pass (FlashAttention's, Dao et al. 2022) rebuilds each block's

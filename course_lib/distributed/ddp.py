@@ -1,4 +1,4 @@
-"""Data parallelism by hand: ``NaiveDDP`` and ``BucketedDDP`` (chapter 06).
+"""Data parallelism by hand: ``NaiveDDP`` and ``BucketedDDP`` (chapter 07).
 
 Every rank holds the same model and takes a different slice of the batch.
 After ``loss.backward()`` each rank has the gradient of *its* slice; averaging

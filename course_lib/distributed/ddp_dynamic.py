@@ -1,4 +1,4 @@
-"""``DynamicBucketedDDP``: ``BucketedDDP`` for models whose backward is not the same every step (chapter 06).
+"""``DynamicBucketedDDP``: ``BucketedDDP`` for models whose backward is not the same every step (chapter 07).
 
 ``BucketedDDP`` sends a bucket at its parameters' first hook calls. Three
 things break that, and this extension handles each:

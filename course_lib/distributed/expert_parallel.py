@@ -1,4 +1,4 @@
-"""Expert parallelism: the experts of a mixture-of-experts layer spread over ranks (chapter 11).
+"""Expert parallelism: the experts of a mixture-of-experts layer spread over ranks (chapter 12).
 
 ``e`` ranks form an expert-parallel (EP) group; each holds ``E/e`` of the
 ``E`` experts and a copy of everything else (the router here; attention and

@@ -1,4 +1,4 @@
-"""Start distributed workers from a notebook or a test, and the worker's side of it (chapters 06-12).
+"""Start distributed workers from a notebook or a test, and the worker's side of it (chapters 07-13).
 
 Parent side: ``run("course_lib.workers.selftest", nproc=2)`` runs
 
@@ -207,7 +207,7 @@ def _failure_message(module: str, nproc: int, code: int, logs: Path, launcher_lo
 # --------------------------------------------------------------------------- worker side
 
 # Seconds a rank waits in a collective before the process group gives up. The longest a course worker keeps
-# its partners waiting is rank 0 training a single-process reference before its first collective: chapter 08's
+# its partners waiting is rank 0 training a single-process reference before its first collective: chapter 09's
 # at the gpu profile takes 2.0 s of CPU time on one core (measured: tiny transformer d=192, 4 layers, 10 Adam
 # steps, float32 and float64). 600 s covers that a hundred times over on a slow or crowded machine, plus the
 # first use of CUDA and NCCL, which can take tens of seconds on a large node; it is also torch's NCCL default.

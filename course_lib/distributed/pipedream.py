@@ -1,4 +1,4 @@
-"""PipeDream: asynchronous 1F1B with weight stashing (chapter 07; Narayanan et al., SOSP 2019).
+"""PipeDream: asynchronous 1F1B with weight stashing (chapter 08; Narayanan et al., SOSP 2019).
 
 PipeDream never flushes the pipe: each stage runs 1F1B over an endless stream
 of micro-batches and updates its weights after *every* backward. The bubble of

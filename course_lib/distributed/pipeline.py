@@ -1,4 +1,4 @@
-"""Pipeline-parallel schedules as data, and a simulator that plays them (chapter 07).
+"""Pipeline-parallel schedules as data, and a simulator that plays them (chapter 08).
 
 A model cut into ``p`` consecutive *stages* (one per device) trains on a batch
 split into ``m`` *micro-batches*. A schedule says, for each stage, the order in

@@ -1,4 +1,4 @@
-"""A hand-written pipeline executor: one process per stage runs a schedule with send/recv (chapter 07).
+"""A hand-written pipeline executor: one process per stage runs a schedule with send/recv (chapter 08).
 
 ``run_stage`` is what one rank does: it walks its stage's op list from
 ``pipeline.make_schedule`` and, for each op,
@@ -233,7 +233,7 @@ def run_stage(stage: nn.Module | Sequence[nn.Module], schedule: Schedule, rank: 
               device: torch.device | str = "cpu", clock: Clock | None = None,
               weights: Callable[[int], dict[str, torch.Tensor]] | None = None,
               after_backward: Callable[[int], None] | None = None, count_ops: bool = False) -> StageRun:
-    """Run ``schedule[rank]``, this rank's ops; gradients accumulate in ``stage`` (chapter 07).
+    """Run ``schedule[rank]``, this rank's ops; gradients accumulate in ``stage`` (chapter 08).
 
     ``stage`` is this rank's module, or its ``v`` chunks for an interleaved
     schedule (``in_shape`` then one per chunk). ``inputs`` (rank 0) and

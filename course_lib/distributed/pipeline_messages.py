@@ -1,4 +1,4 @@
-"""Who sends what to whom in a pipeline schedule, and when a sent tensor may go (chapter 07).
+"""Who sends what to whom in a pipeline schedule, and when a sent tensor may go (chapter 08).
 
 ``op_links`` gives one op's receive and send: its peer rank and a tag (micro-batch, direction, receiving
 chunk). ``message_batches`` groups them as ``pipeline_exec.run_stage`` posts them, one batch between two
@@ -64,7 +64,7 @@ def peak_sends_held(schedule: Schedule, rank: int) -> int:
 
     1F1B (``p >= 2``): ``min(p, m)`` on stage 0 (its warm-up's activations) and
     ``min(p - s + 1, m)`` on a later stage ``s`` (its cool-down's gradients),
-    whatever ``m`` (chapter 07 checks this for p = 2..8, m = 1..24); GPipe: ``m``.
+    whatever ``m`` (chapter 08 checks this for p = 2..8, m = 1..24); GPipe: ``m``.
     """
     world, v = len(schedule), num_chunks(schedule)
     rel = send_releases(schedule, rank)

@@ -1,4 +1,4 @@
-"""The backward pass split in two, for zero-bubble schedules (chapter 07): ``B`` then ``W``, no op run twice.
+"""The backward pass split in two, for zero-bubble schedules (chapter 08): ``B`` then ``W``, no op run twice.
 
 A backward pass computes two kinds of gradients. *Activation gradients* flow
 from the stage's output down to its input: the next rank's ``B`` produces

@@ -1,4 +1,4 @@
-"""Typed results: the dataclasses a worker reports and its parent reads back (chapters 06-07).
+"""Typed results: the dataclasses a worker reports and its parent reads back (chapters 07-08).
 
 A worker fills a dataclass that derives from ``WorkerResult`` and hands it to
 ``launch.report``, which writes ``dataclasses.asdict`` of it as JSON; the

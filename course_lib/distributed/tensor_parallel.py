@@ -1,4 +1,4 @@
-"""Tensor and sequence parallelism written by hand (chapter 09).
+"""Tensor and sequence parallelism written by hand (chapter 10).
 
 Megatron-LM (Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion
 Parameter Language Models Using Model Parallelism", section 3) splits every

@@ -1,4 +1,4 @@
-"""What tensor and sequence parallelism cost, in formulas (chapter 09; the capstone's planner uses them).
+"""What tensor and sequence parallelism cost, in formulas (chapter 10; the capstone's planner uses them).
 
 Notation of Korthikanti et al. 2022 ("Reducing Activation Recomputation in
 Large Transformer Models"): s the sequence length, b the micro-batch, h the

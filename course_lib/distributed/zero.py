@@ -1,4 +1,4 @@
-"""ZeRO stages 1 and 2 written by hand, and the meters for ZeRO-3 as FSDP2 (chapter 08).
+"""ZeRO stages 1 and 2 written by hand, and the meters for ZeRO-3 as FSDP2 (chapter 09).
 
 Data parallelism keeps a full copy of the parameters, the gradients and the
 optimizer state on every rank. ZeRO (Rajbhandari et al. 2020, "ZeRO: Memory
@@ -112,7 +112,7 @@ class ZeroOptimizer:
                  bucket_cap_mb: float = DEFAULT_BUCKET_MB, max_in_flight: int = MAX_IN_FLIGHT, **optimizer_kwargs):
         if stage not in (1, 2):
             raise ValueError(f"ZeroOptimizer implements stages 1 and 2, got {stage}; stage 3 shards the "
-                             "parameters as well: use torch.distributed.fsdp.fully_shard (chapter 08)")
+                             "parameters as well: use torch.distributed.fsdp.fully_shard (chapter 09)")
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, ELEMENTWISE_OPTIMIZERS)):
             names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
             raise ValueError(f"optimizer_cls must be an element-wise torch optimizer class ({names}); got "

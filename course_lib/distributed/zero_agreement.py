@@ -1,4 +1,4 @@
-"""What keeps ZeroOptimizer's ranks in step: what they agree on, and the checks that stop misuse (chapter 08).
+"""What keeps ZeroOptimizer's ranks in step: what they agree on, and the checks that stop misuse (chapter 09).
 
 A collective returns only when every rank of the group has called it: a rank
 that calls one its peers never call waits, on NCCL for ever (or for the process

@@ -1,4 +1,4 @@
-"""ZeroOptimizer's flat layout: which parameters share which bucket, and each rank's shard (chapter 08).
+"""ZeroOptimizer's flat layout: which parameters share which bucket, and each rank's shard (chapter 09).
 
 Every trainable parameter becomes a view into one flat buffer. The buffer is cut
 into buckets as DDP's gradients are (``ddp.assign_buckets``): the parameters in

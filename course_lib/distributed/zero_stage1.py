@@ -1,4 +1,4 @@
-"""ZeRO stage 1's gradients: the full gradient on every rank, reduce-scattered once per step (chapter 08).
+"""ZeRO stage 1's gradients: the full gradient on every rank, reduce-scattered once per step (chapter 09).
 
 Stage 1 shards only the optimizer state. The backward runs as without ZeRO:
 autograd accumulates every parameter's gradient into one flat gradient buffer

@@ -1,4 +1,4 @@
-"""ZeRO stage 2's gradients: each bucket reduce-scattered as soon as the backward has filled it (chapter 08).
+"""ZeRO stage 2's gradients: each bucket reduce-scattered as soon as the backward has filled it (chapter 09).
 
 No rank ever holds the full gradient. A post-accumulate-grad hook on every
 parameter (it runs right after autograd has written the gradient) adds the

@@ -1,8 +1,8 @@
-"""Plan a training configuration for a memory budget (chapter 12, the capstone): measure, predict, search.
+"""Plan a training configuration for a memory budget (chapter 13, the capstone): measure, predict, search.
 
 For every combination of precision (chapter 05), micro-batch with gradient accumulation (chapters 02-03),
-activation checkpointing (chapter 05), ZeRO stage (chapter 08), tensor-parallel size (chapter 09), pipeline
-stages and their interleaving (chapter 07), context-parallel size (chapter 11), and chapter 10's fused attention,
+activation checkpointing (chapter 05), ZeRO stage (chapter 09), tensor-parallel size (chapter 10), pipeline
+stages and their interleaving (chapter 08), context-parallel size (chapter 12), and chapter 11's fused attention,
 chunked loss and activation offload, predict the peak bytes per device and the step time;
 keep the fastest that fits. The package reads in that order:
 
@@ -12,7 +12,7 @@ keep the fastest that fits. The package reads in that order:
 - ``predict``: ``predict_peak``, ``comm_bytes``, ``predict_step_time``: arithmetic on the measurements;
 - ``search``: ``plan`` weighs every candidate, keeps the fastest that fits, and says why;
 - ``experts``: ``predict_experts``, ``plan_experts``: a mixture of experts' bytes per rank over ``e x d`` ranks
-  (chapter 11).
+  (chapter 12).
 
 Every public name is here too: ``planner.plan``, ``planner.Config``, ``planner.predict_peak``, ...
 """

@@ -1,7 +1,7 @@
-"""Expert parallelism in the planner: one rank's bytes for a mixture-of-experts layer on ``e x d`` ranks (chapter 11).
+"""Expert parallelism in the planner: one rank's bytes for a mixture-of-experts layer on ``e x d`` ranks (chapter 12).
 
 A mixture of experts (``moe.MoEMLP``) is not a stack of the course's transformer blocks, so it is not measured like
-one: its per-rank bytes follow from formulas that chapter 11 checks on real ranks (``expert_parallel``). On ``world =
+one: its per-rank bytes follow from formulas that chapter 12 checks on real ranks (``expert_parallel``). On ``world =
 e x d`` ranks each rank holds the router whole and ``E/e`` experts; with Adam in fp32 every parameter costs 16
 bytes (weights, gradients, two moments; chapter 01). Its transient bytes are the dispatch buffers (the rows it
 sends and receives, and their gradients) and the experts' hidden activations for the rows it runs. Traffic per
@@ -46,8 +46,8 @@ class ExpertLayout:
 
 def predict_experts(d_model: int, d_hidden: int, n_experts: int, tokens_per_rank: int, k: int, ep: int, world: int,
                     capacity_factor: float | None = None, elem_bytes: int = 4) -> ExpertLayout:
-    """One rank's bytes on ``ep`` expert-parallel x ``world / ep`` data-parallel ranks (chapter 11's formulas)."""
-    from course_lib.distributed import expert_parallel  # chapter 11's module; imported here, where it is used
+    """One rank's bytes on ``ep`` expert-parallel x ``world / ep`` data-parallel ranks (chapter 12's formulas)."""
+    from course_lib.distributed import expert_parallel  # chapter 12's module; imported here, where it is used
 
     if world % ep:
         raise ValueError(f"expert-parallel size {ep} does not divide the {world} ranks")

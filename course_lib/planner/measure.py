@@ -1,13 +1,13 @@
-"""Measure a model once: ``calibrate`` gives the ``Measurements`` every prediction reads (chapter 12, section 3).
+"""Measure a model once: ``calibrate`` gives the ``Measurements`` every prediction reads (chapter 13, section 3).
 
 A step peaks in the forward/backward pass (states + saved activations + the running op's temporaries: affine in
 the micro-batch ``m``) or in the optimizer step (states + Adam's temporaries: constant). A line through
 whole-step peaks at ``m = 1, 2`` would see the optimizer moment (a maximum of two lines is not a line), so the
 two are measured apart (section 2 shows why): the forward/backward peak with the gradients allocated, at
 ``m = 1, 2``, for each precision and attention kernel; what one block saves (chapters 01 and 05) and its output;
-with a chunkable loss the head's loss alone (chapter 10); with offloading the bytes the hooks pack (chapter 10);
+with a chunkable loss the head's loss alone (chapter 11); with offloading the bytes the hooks pack (chapter 11);
 the time of a pass at two micro-batches; the optimizer step; the share of the FLOPs in the blocks. ``Layers``
-and ``LmHead`` say what tensor parallelism (chapter 09) and a chunked loss (chapter 10) can do with the model.
+and ``LmHead`` say what tensor parallelism (chapter 10) and a chunked loss (chapter 11) can do with the model.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ BatchFn = Callable[[int], "tuple[torch.Tensor, torch.Tensor]"]
 
 @dataclass(frozen=True)
 class Layers:
-    """The blocks tensor parallelism can split (chapter 09): ``model.blocks`` all ``TransformerBlock``s alike."""
+    """The blocks tensor parallelism can split (chapter 10): ``model.blocks`` all ``TransformerBlock``s alike."""
 
     heads: int
     width: int
@@ -71,7 +71,7 @@ def tp_sizes(layers: Layers | None, world_size: int, sequence_parallel: bool = T
 
 @dataclass(frozen=True)
 class LmHead:
-    """A language model whose loss can be computed in chunks (chapter 10): ``embed``, ``blocks``, ``head.ln``
+    """A language model whose loss can be computed in chunks (chapter 11): ``embed``, ``blocks``, ``head.ln``
     and the ``head.out`` Linear of ``models.TinyTransformer``, trained with ``lm_loss``."""
 
     tokens: int                              # per sample: the sequence length

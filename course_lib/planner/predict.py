@@ -1,15 +1,15 @@
-"""Predict a ``Config``'s peak bytes and step time from the ``Measurements``: arithmetic only (chapter 12, section 3).
+"""Predict a ``Config``'s peak bytes and step time from the ``Measurements``: arithmetic only (chapter 13, section 3).
 
 Checkpointing follows from the bytes one block saves (chapter 05; Chen et al. 2016: ``k - 1`` segment inputs
 kept, at most ``ceil(n/k)`` blocks rebuilt at once); ZeRO divides the states (``memory.zero_memory``) and adds
-what is in flight (chapter 08). Tensor parallelism over ``t`` of the ``world = d x t`` ranks splits the blocks'
-weights and what they save per sequence (``tp_costs``, chapter 09); ZeRO then runs over the ``d`` data-parallel
+what is in flight (chapter 09). Tensor parallelism over ``t`` of the ``world = d x t`` ranks splits the blocks'
+weights and what they save per sequence (``tp_costs``, chapter 10); ZeRO then runs over the ``d`` data-parallel
 ranks. Fused attention is another kernel, measured like a precision (its own line); offloading and the chunked
-loss are chapter 10's formulas on top of a measured pass (``offload.predict_offload_peak``,
+loss are chapter 11's formulas on top of a measured pass (``offload.predict_offload_peak``,
 ``chunked_loss.predict_loss_peak``). Time is relative, since timings on a busy machine are noisy:
 ``A (alpha + beta m)(1 + recompute + extra head) + update + communication / bandwidth + offload traffic / host
-bandwidth``, with data parallelism's traffic (chapters 06 and 08) at an inter-node bandwidth and tensor
-parallelism's per-layer collectives at an intra-node one. Context parallelism over ``c`` ranks (chapter 11) keeps
+bandwidth``, with data parallelism's traffic (chapters 07 and 09) at an inter-node bandwidth and tensor
+parallelism's per-layer collectives at an intra-node one. Context parallelism over ``c`` ranks (chapter 12) keeps
 ``1/c`` of every sequence's activations on a rank and the states whole (ZeRO may shard them over all the
 ``world / t`` ranks); its ring's key/value blocks travel at the intra-node bandwidth.
 """
@@ -31,12 +31,12 @@ from course_lib.planner.measure import Measurements
 FORWARD_SHARE = 1 / 3
 # Data parallelism's traffic (gradients; ZeRO-3's gathers): one PCIe 4.0 x16 link moves about 25 GB/s in
 # practice (nominal 32 GB/s), as does a 200 Gb/s InfiniBand port between nodes; pass your interconnect's measured
-# all-reduce bandwidth instead (chapter 06).
+# all-reduce bandwidth instead (chapter 07).
 DEFAULT_BANDWIDTH = 25e9
-# Tensor parallelism's per-layer collectives stay inside a node (chapter 09): NVLink 4 moves 450 GB/s each way
+# Tensor parallelism's per-layer collectives stay inside a node (chapter 10): NVLink 4 moves 450 GB/s each way
 # per H100 SXM GPU (NVIDIA's Hopper architecture page; nominal, a real all-reduce reaches less).
 DEFAULT_TP_BANDWIDTH = 450e9
-# Offloaded activations cross the host link twice per byte (chapter 10): PCIe 4.0 x16 again, about 25 GB/s in
+# Offloaded activations cross the host link twice per byte (chapter 11): PCIe 4.0 x16 again, about 25 GB/s in
 # practice (PCIe 5.0 x16 doubles it). ``offload.OffloadToHost`` copies on the compute stream: the copies add to
 # the step's time instead of hiding behind it.
 DEFAULT_HOST_BANDWIDTH = 25e9
@@ -44,7 +44,7 @@ DEFAULT_HOST_BANDWIDTH = 25e9
 
 def tp_shares(meas: Measurements, config: Config, world_size: int) -> tuple[int, float, float]:
     """(data-parallel ranks, share of the model states, share of one block's parameters) one rank keeps under
-    ``config.tp``-way tensor parallelism: ``1/t`` of the split weights and all of the others (chapter 09)."""
+    ``config.tp``-way tensor parallelism: ``1/t`` of the split weights and all of the others (chapter 10)."""
     t, layers = config.tp, meas.layers
     if t < 1 or world_size % t:
         raise ValueError(f"tensor-parallel size {t} does not divide the {world_size} ranks")
@@ -89,7 +89,7 @@ def block_saves(meas: Measurements, config: Config) -> tuple[float, float, float
 
 
 def pipeline_terms(config: Config, n_blocks: int) -> dict:
-    """Chapter 07's costs of ``config``'s ``pp``-stage pipeline (``virtual_stages = v``; ``A`` = accumulation steps).
+    """Chapter 08's costs of ``config``'s ``pp``-stage pipeline (``virtual_stages = v``; ``A`` = accumulation steps).
 
     The ``A`` micro-batches of a step run 1F1B: ``bubble`` ``(p-1)/(v A + p-1)``; ``inflight``, the micro-batches
     whose activations the first stage holds, ``min(p, A)`` (interleaved: ``p (1 + (p-1)/(p v))``, Korthikanti et
@@ -129,7 +129,7 @@ def predict_peak(meas: Measurements, config: Config, world_size: int = 1) -> dic
     and the optimizer step's temporaries; ``where`` names it. The forward/backward part assumes the gradients
     exist, as they do from the second micro-batch on: a single micro-batch is overstated by up to its gradients,
     never understated (at any moment of its backward some exist, and no more activations than at the start).
-    Offload and the chunked loss are chapter 10's formulas: an offloaded pass keeps one block's saves of its ``n``
+    Offload and the chunked loss are chapter 11's formulas: an offloaded pass keeps one block's saves of its ``n``
     (an upper estimate: the backward brings them back one node at a time), and a chunked loss replaces the
     measured peak of the whole loss by ``chunked_loss.predict_loss_peak``.
     """
@@ -173,7 +173,7 @@ def predict_peak(meas: Measurements, config: Config, world_size: int = 1) -> dic
 
 def cp_in_flight_bytes(meas: Measurements, config: Config, world_size: int) -> float:
     """What the ring holds in flight on a rank: the backward's K, V, dK, dV travelling and the next four arriving
-    (chapter 11), ``8 m (T/c) h`` activations; an error unless ``2c`` divides ``T`` and ``t c`` the ranks."""
+    (chapter 12), ``8 m (T/c) h`` activations; an error unless ``2c`` divides ``T`` and ``t c`` the ranks."""
     layers = meas.layers
     if layers is None:
         raise ValueError("context parallelism needs transformer blocks (the planner found none to split)")
@@ -186,7 +186,7 @@ def cp_in_flight_bytes(meas: Measurements, config: Config, world_size: int) -> f
 
 
 def cp_comm_bytes(meas: Measurements, config: Config) -> float:
-    """Bytes one rank sends per optimizer step around the ring (chapter 11): ``context_parallel.ring_bytes_per_layer``
+    """Bytes one rank sends per optimizer step around the ring (chapter 12): ``context_parallel.ring_bytes_per_layer``
     per block and micro-batch. Not included: the gradients' sum over the ranks, data parallelism's (``comm_bytes``)."""
     if config.cp == 1:
         return 0.0
@@ -197,7 +197,7 @@ def cp_comm_bytes(meas: Measurements, config: Config) -> float:
 
 
 def comm_bytes(param_bytes: int, config: Config, world_size: int) -> float:
-    """Bytes one rank sends per optimizer step, in ring collectives (chapter 08), accumulation included.
+    """Bytes one rank sends per optimizer step, in ring collectives (chapter 09), accumulation included.
 
     DDP (accumulating under ``no_sync``) and ZeRO-1 send twice the ring share ``(N-1)/N x P`` once per step.
     Sharded gradients cannot accumulate locally: ZeRO-2 reduce-scatters after every micro-batch and all-gathers
@@ -210,7 +210,7 @@ def comm_bytes(param_bytes: int, config: Config, world_size: int) -> float:
 
 
 def tp_comm_bytes(meas: Measurements, config: Config) -> float:
-    """Bytes one rank sends per optimizer step in tensor parallelism's per-layer collectives (chapter 09).
+    """Bytes one rank sends per optimizer step in tensor parallelism's per-layer collectives (chapter 10).
 
     Four activation-sized collectives per block and micro-batch (``tp_costs.comm_bytes_per_layer``, gathered
     inputs saved). Left out, as small: the gathers before the head and of the embedding's gradient, and under
@@ -265,7 +265,7 @@ def predict_step_time(meas: Measurements, config: Config, world_size: int = 1,
     """Predicted seconds of one optimizer step: good for ranking configurations, rough in absolute terms.
 
     ``bandwidth``: bytes per second of data parallelism's collectives; ``tp_bandwidth``: of tensor parallelism's;
-    ``host_bandwidth``: of offloading's copies. A chunked loss runs the head's matmul once more (chapter 10). A
+    ``host_bandwidth``: of offloading's copies. A chunked loss runs the head's matmul once more (chapter 11). A
     pipeline (``pp > 1``) divides the work by ``p``; only the per-micro-batch part stalls in the bubble, so it
     alone is divided by ``1 - bubble`` (``pipeline_terms``): the update and the gradients' traffic come once, after
     the flush, for the stage's ``1/p`` of the model. It adds the point-to-point messages at ``tp_bandwidth`` (its

@@ -1,7 +1,7 @@
-"""Search: ``plan`` weighs every candidate ``Config``, keeps the fastest that fits, says why (chapter 12, section 3).
+"""Search: ``plan`` weighs every candidate ``Config``, keeps the fastest that fits, says why (chapter 13, section 3).
 
 For every combination of precision, micro-batch with accumulation, checkpoint segments, ZeRO stage,
-layout over the ranks (data x tensor x context x pipeline) and chapter 10's options, ``plan`` takes the largest
+layout over the ranks (data x tensor x context x pipeline) and chapter 11's options, ``plan`` takes the largest
 micro-batch whose predicted peak (``predict.predict_peak``) fits the budget less a headroom, ranks those by
 predicted speed
 (``predict.predict_step_time``) and explains the choice; ``Plan.table`` lists every candidate. The model is
@@ -30,10 +30,10 @@ from course_lib.planner.predict import (DEFAULT_BANDWIDTH, DEFAULT_HOST_BANDWIDT
 from course_lib.planner.step import LossFn
 
 MiB = 2**20
-# The prediction's error measured in chapter 12 is a few percent either way, and allocators fragment.
+# The prediction's error measured in chapter 13 is a few percent either way, and allocators fragment.
 DEFAULT_HEADROOM = 0.05
 TIMING_MAX_MICRO = 64  # larger timed passes would slow planning and add little
-# A chunk of the loss keeps at least this many tokens at micro-batch 1: with fewer, chapter 10's formula for the
+# A chunk of the loss keeps at least this many tokens at micro-batch 1: with fewer, chapter 11's formula for the
 # loss's peak falls a few percent below the measured one (the many chunks' bookkeeping), and the peak has long
 # stopped falling (it is down to the head's weight gradient).
 MIN_CHUNK_TOKENS = 8
@@ -73,7 +73,7 @@ class Plan:
         """The candidates, fastest first (then those that do not fit), one line each. The layout column reads
         ``d`` data-parallel ranks times ``t`` tensor-parallel (``2t``), ``c`` context-parallel (``2c``) or
         ``p`` pipeline (``2p``; ``2p/2``: two interleaved chunks per stage) ranks."""
-        rows = [f"{'precision':>9} {'chapter 10':>18} {'segments':>8} {'layout':>7} {'ZeRO':>4} {'micro':>5} "
+        rows = [f"{'precision':>9} {'chapter 11':>18} {'segments':>8} {'layout':>7} {'ZeRO':>4} {'micro':>5} "
                 f"{'accum':>5} {'peak MiB':>9} {'samples/s':>9}"]
         # fastest first, in the order ``plan`` weighed them where the speeds tie (so its choice is the first line);
         # those that do not fit by their peak
@@ -112,7 +112,7 @@ def segment_options(n_blocks: int) -> list[int]:
 
 
 def _options(config: Config) -> str:
-    """Chapter 10's options of ``config``, in a few characters: fused attention, loss chunks, offload."""
+    """Chapter 11's options of ``config``, in a few characters: fused attention, loss chunks, offload."""
     names = ["fused"] * config.fused + [f"loss/{config.loss_chunks}"] * (config.loss_chunks > 1)
     return " ".join(names + ["offload"] * config.offload) or "-"
 
@@ -123,7 +123,7 @@ def _parts(peak: dict) -> str:
 
 def cp_sizes(model: nn.Module, sample_shape: tuple[int, ...], world_size: int) -> list[int]:
     """Context-parallel sizes ``c > 1`` for ``model``: transformer blocks with ``CausalSelfAttention`` (the ring
-    replaces it, chapter 11), ``c`` dividing the ranks and ``2c`` the sequence (the zigzag's chunks)."""
+    replaces it, chapter 12), ``c`` dividing the ranks and ``2c`` the sequence (the zigzag's chunks)."""
     layers = transformer_layers(model, sample_shape)
     if layers is None or not any(isinstance(m, CausalSelfAttention) for m in model.modules()):
         return []
@@ -209,23 +209,23 @@ def plan(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, mem
     ``model.blocks`` or not, at a ZeRO stage (0-3; stage 2 as ``ZeroOptimizer`` with ``bucket_cap_mb``). With
     ``tensor_parallel`` and blocks that are ``TransformerBlock``s, the ``world_size`` ranks may also form a
     ``d x t`` mesh: ``t`` ranks (dividing the heads) split every block, with ``sequence_parallel`` or not, and
-    FSDP2 (ZeRO-3) shards over the ``d`` others, as chapter 09 trains. ``bandwidth`` prices data parallelism's
+    FSDP2 (ZeRO-3) shards over the ``d`` others, as chapter 10 trains. ``bandwidth`` prices data parallelism's
     traffic, ``tp_bandwidth`` tensor parallelism's. The predicted peak must fit ``(1 - headroom)`` of the budget.
 
-    Chapter 10's options, without tensor parallelism; each is ``None`` (searched where it pays), ``True``
+    Chapter 11's options, without tensor parallelism; each is ``None`` (searched where it pays), ``True``
     (searched wherever it runs) or ``False`` (never): ``fused`` attention, for a model with
     ``CausalSelfAttention`` layers; ``chunk_loss``, ``lm_loss`` in chunks of at least ``MIN_CHUNK_TOKENS`` tokens
     (``chunked_loss.transformer_loss``), for a ``TinyTransformer``-like model, where it pays when the vocabulary
     is wider than the model; ``offload`` of what the blocks save, without checkpointing or ZeRO-3, priced at
     ``host_bandwidth``, where it pays on a GPU. On a CPU machine the host is the device's own memory: there
-    ``offload=True`` plans chapter 10's simulation (``offload.OffloadToHost``), which saves nothing real.
+    ``offload=True`` plans chapter 11's simulation (``offload.OffloadToHost``), which saves nothing real.
 
     With ``context_parallel`` and ``TransformerBlock``s of ``CausalSelfAttention``, ``c`` of the ranks may also
-    share every sequence (``cp_sizes``): ring attention over ``T/c`` positions each (chapter 11), with the fused
+    share every sequence (``cp_sizes``): ring attention over ``T/c`` positions each (chapter 12), with the fused
     kernel's saves and without checkpointing, offload or loss chunks (what the course's ring runs); ZeRO then
     shards over the ``d x c`` ranks, which all hold the whole model.
 
-    ``pipeline_stages = p > 1`` cuts the blocks into ``p`` pipeline stages on ``p`` of the ranks (chapter 07), the
+    ``pipeline_stages = p > 1`` cuts the blocks into ``p`` pipeline stages on ``p`` of the ranks (chapter 08), the
     others data-parallel (a tuple: each ``p`` is tried); each of ``virtual_stages`` is tried (``v > 1``:
     interleaved 1F1B, for a smaller bubble and more activations in flight), where it cuts the blocks and the
     accumulation steps come in groups of ``p``.
@@ -260,7 +260,7 @@ def plan(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, mem
         raise ValueError(f"nothing fits {budget_text}: the model states alone need {states / MiB:.1f} MiB even "
                          f"fully sharded over {world_size} rank(s). Use a smaller model or more ranks.")
     precisions, unsearched = (tuple(precisions), "") if precisions is not None else default_precisions(device)
-    one_device = any(t == 1 for t, _, _ in sizes)  # chapter 10's options run without tensor parallelism
+    one_device = any(t == 1 for t, _, _ in sizes)  # chapter 11's options run without tensor parallelism
     kernels = _switch("fused", fused, True, one_device and any(isinstance(m, CausalSelfAttention)
                                                                 for m in model.modules()),
                       "a model with CausalSelfAttention layers, on a layout without tensor parallelism")
@@ -295,7 +295,7 @@ def plan(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, mem
         vs = tuple(virtual_stages) if pp > 1 else (1,)
         per_rank = global_batch // (world_size // (t * cp * pp))
         zero_ranks = world_size // (t * pp)  # every rank holding the same weights: data- and context-parallel
-        # TP runs with FSDP2 over the data-parallel ranks (chapter 09); plain data parallelism takes any stage
+        # TP runs with FSDP2 over the data-parallel ranks (chapter 10); plain data parallelism takes any stage
         stages = [0] if zero_ranks == 1 else [0, 1, 2, 3] if t == 1 else [3]
         for s in stages:
             for off in offloads if t == 1 and cp == 1 and k == 1 and s < 3 else [False]:
@@ -354,12 +354,12 @@ def plan(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, mem
             why.append(f"{options[0].upper()}{options[1:]}: chosen for speed, not memory (without, the peak would "
                        f"be {plain_peak / MiB:.1f} MiB, which fits too).")
     if cfg.cp > 1:
-        why.append(f"The ring (chapter 11) sends {cp_comm_bytes(meas, cfg) / 1e6:.1f} MB per rank per step, priced "
+        why.append(f"The ring (chapter 12) sends {cp_comm_bytes(meas, cfg) / 1e6:.1f} MB per rank per step, priced "
                    f"at {tp_bandwidth / 1e9:.0f} GB/s; every rank keeps the whole model, so the gradients are "
                    f"summed over all {dp * cfg.cp} of them.")
     if cfg.offload:
         why.append(f"Offloading moves {offload_bytes(meas, cfg) / 1e6:.1f} MB per step over the host link (priced "
-                   f"at {host_bandwidth / 1e9:.0f} GB/s)" + ("; on a CPU machine that is chapter 10's simulation: "
+                   f"at {host_bandwidth / 1e9:.0f} GB/s)" + ("; on a CPU machine that is chapter 11's simulation: "
                                                             "the host is the same memory, nothing is saved"
                                                             if device.type == "cpu" else "") + ".")
     if unsearched:

@@ -1,9 +1,9 @@
-"""A ``Config`` run for real: ``train_step``, and ``measure_peak``, its measured peak (chapter 12, section 2 on).
+"""A ``Config`` run for real: ``train_step``, and ``measure_peak``, its measured peak (chapter 13, section 2 on).
 
 The capstone verifies every plan by running it. Each lever of a ``Config`` is a context manager that changes the
 model in place for the step and restores it after, also after an error: ``autocast`` (chapter 05's bf16),
-``checkpointing`` (chapter 05), ``attention_kernel`` (chapter 10's fused attention) and ``offloading`` (chapter
-10); the micro-batches accumulate (chapter 03), and the loss may run in chunks (chapter 10). ``measure_peak``
+``checkpointing`` (chapter 05), ``attention_kernel`` (chapter 11's fused attention) and ``offloading`` (chapter
+11); the micro-batches accumulate (chapter 03), and the loss may run in chunks (chapter 11). ``measure_peak``
 counts what ``predict.predict_peak`` predicts: the states, the batch, and the step's peak above them
 (``memory.peak_bytes``).
 """
@@ -61,7 +61,7 @@ def checkpointing(model: nn.Module, segments: int) -> Iterator[nn.Module]:
 @contextmanager
 def offloading(model: nn.Module, on: bool = True) -> Iterator[nn.Module]:
     """Inside the block, every block of ``model.blocks`` saves into host memory (``offload.OffloadToHost``, the
-    parameters left in place): pinned on CUDA; on a CPU machine chapter 10's simulation, NumPy memory that the
+    parameters left in place): pinned on CUDA; on a CPU machine chapter 11's simulation, NumPy memory that the
     allocator does not count. ``on=False``: unchanged."""
     if not on:
         yield model
@@ -73,7 +73,7 @@ def offloading(model: nn.Module, on: bool = True) -> Iterator[nn.Module]:
 
 @contextmanager
 def attention_kernel(model: nn.Module, fused: bool) -> Iterator[nn.Module]:
-    """Inside the block every ``CausalSelfAttention`` of ``model`` runs fused (chapter 10) or op by op; restored
+    """Inside the block every ``CausalSelfAttention`` of ``model`` runs fused (chapter 11) or op by op; restored
     after. Only the kernel changes: the same parameters, the same function."""
     layers = [m for m in model.modules() if isinstance(m, CausalSelfAttention)]
     if fused and not layers:

@@ -4,7 +4,7 @@ The notebooks' ``gpu`` profile needs a GPU, which CI does not have. This is what
 person with one runs first: every library piece a notebook puts on the device, at
 small sizes, under bf16 autocast where the notebook trains so (forward, backward,
 an optimizer step), then the data-parallel, ZeRO and FSDP workers on one rank per
-GPU through ``launch.run``, as chapters 06, 08 and 10 start them. It prints one
+GPU through ``launch.run``, as chapters 07, 09 and 11 start them. It prints one
 table: each check's result and time, CUDA's ``max_memory_allocated`` and
 ``max_memory_reserved`` during it, the course's prediction of that peak where it
 makes one (``estimator``, ``chunked_loss``, the planner, the ZeRO formulas) and
@@ -158,7 +158,7 @@ def check_checkpointing(device: torch.device) -> Measured:
 
 
 def check_chunked_loss(device: torch.device) -> Measured:
-    """The loss over a large vocabulary in chunks, by hand and checkpointed, under bf16 (chapter 10)."""
+    """The loss over a large vocabulary in chunks, by hand and checkpointed, under bf16 (chapter 11)."""
     from course_lib import chunked_loss
 
     vocab, batch, seq, chunks = 8192, 4, 128, 8
@@ -254,7 +254,7 @@ def check_ring_attention(device: torch.device) -> Measured:
 
 
 def check_planner(device: torch.device) -> Measured:
-    """The capstone's planner on this device: its choice for a budget, then that step measured (chapter 12)."""
+    """The capstone's planner on this device: its choice for a budget, then that step measured (chapter 13)."""
     from course_lib import planner
     from course_lib.models import lm_loss
 
@@ -278,7 +278,7 @@ def _worker_env() -> dict[str, str]:
 
 
 def check_zero_fsdp(device: torch.device) -> Measured:
-    """DDP, ZeRO-1/2 by hand, FSDP2 (fp32 and bf16) on one rank per GPU: chapter 08's worker, a short run."""
+    """DDP, ZeRO-1/2 by hand, FSDP2 (fp32 and bf16) on one rank per GPU: chapter 09's worker, a short run."""
     from course_lib.distributed import launch, zero
     from course_lib.workers.zero_common import RunConfig, WorkerResult
 
@@ -299,19 +299,19 @@ def check_zero_fsdp(device: torch.device) -> Measured:
 
 
 def check_ddp(device: torch.device) -> Measured:
-    """Chapter 06's data-parallel wrappers (by hand, bucketed, torch's DDP) against one process, one rank per GPU."""
+    """Chapter 07's data-parallel wrappers (by hand, bucketed, torch's DDP) against one process, one rank per GPU."""
     from course_lib.distributed import launch
 
     world = max(_gpus(), 1)
     out = launch.run("course_lib.workers.ddp_compare", world, ["--timing-rounds", "0", "--bn"],
                      timeout=LAUNCH_TIMEOUT_S, env=_worker_env())
-    # the bucketed wrapper differs in some scenarios on purpose (chapter 06's point); torch's DDP never should
+    # the bucketed wrapper differs in some scenarios on purpose (chapter 07's point); torch's DDP never should
     diff = max(wrappers["torch"]["param_diff"] for wrappers in out["equal"].values())
     return Measured(note=f"{world} rank(s), {out['backend']}; torch's DDP against one process: {diff:.1e}")
 
 
 def check_fsdp_offload(device: torch.device) -> Measured:
-    """Chapter 10's FSDP2 with and without CPUOffloadPolicy (pinned host memory), on up to two GPUs."""
+    """Chapter 11's FSDP2 with and without CPUOffloadPolicy (pinned host memory), on up to two GPUs."""
     from course_lib.distributed import launch
     from course_lib.workers.zero_common import RunConfig
 
@@ -331,20 +331,20 @@ CHECKS: tuple[Check, ...] = (
     Check("transformer", "01, 05, 10", "the tiny transformer, naive and fused attention: a bf16 Adam step",
           check_transformer),
     Check("checkpointing", "05", "checkpointed blocks (full, selective); fp16 with a GradScaler", check_checkpointing),
-    Check("chunked-loss", "10", "the loss over a large vocabulary in chunks, by hand and checkpointed",
+    Check("chunked-loss", "11", "the loss over a large vocabulary in chunks, by hand and checkpointed",
           check_chunked_loss),
-    Check("offload", "10", "saved activations to pinned host memory, by hand and save_on_cpu", check_offload),
-    Check("tp-block", "09", "a tensor-parallel block, plain and sequence parallel, on a one-rank group",
+    Check("offload", "11", "saved activations to pinned host memory, by hand and save_on_cpu", check_offload),
+    Check("tp-block", "10", "a tensor-parallel block, plain and sequence parallel, on a one-rank group",
           check_tp_block),
-    Check("ring-attention", "11", "ring attention in one process in bf16; a model over the ring",
+    Check("ring-attention", "12", "ring attention in one process in bf16; a model over the ring",
           check_ring_attention),
-    Check("moe", "11", "the mixture of experts, top-1 and top-2: three Adam steps", check_moe),
-    Check("planner", "12", "the planner's choice for 256 MiB, then that step measured", check_planner),
-    Check("ddp", "06", "data-parallel wrappers (by hand, bucketed, torch's) against one process", check_ddp,
+    Check("moe", "12", "the mixture of experts, top-1 and top-2: three Adam steps", check_moe),
+    Check("planner", "13", "the planner's choice for 256 MiB, then that step measured", check_planner),
+    Check("ddp", "07", "data-parallel wrappers (by hand, bucketed, torch's) against one process", check_ddp,
           ranks=True),
-    Check("zero-fsdp", "08", "DDP, ZeRO-1/2, FSDP2 (fp32, bf16): a short run", check_zero_fsdp,
+    Check("zero-fsdp", "09", "DDP, ZeRO-1/2, FSDP2 (fp32, bf16): a short run", check_zero_fsdp,
           ranks=True),
-    Check("fsdp-offload", "10", "FSDP2 with and without CPUOffloadPolicy, on up to two GPUs", check_fsdp_offload,
+    Check("fsdp-offload", "11", "FSDP2 with and without CPUOffloadPolicy, on up to two GPUs", check_fsdp_offload,
           ranks=True),
 )
 

@@ -80,7 +80,7 @@ def gantt(timings: Sequence, num_stages: int, title: str, time_unit: str = "time
     the device's second model chunk, drawn lighter. The legend names every colour and
     shade drawn, what the bars' labels mean, and any ``notes``. ``row_label`` names a
     row (default ``"stage"``, or ``"device"`` when a row holds several chunks). White
-    space between bars is the bubble (chapter 07).
+    space between bars is the bubble (chapter 08).
     """
     colors = dict(colors or {"F": "tab:blue", "B": "tab:orange", "W": "tab:green"})
     rows = [(t.stage, t.op, t.microbatch, t.start, t.end, getattr(t, "chunk", 0)) if hasattr(t, "stage")

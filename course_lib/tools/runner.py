@@ -241,7 +241,7 @@ def processes_note(profile: str) -> str:
     threads = os.environ.get("OMP_NUM_THREADS", "1")
     return (f"[course] {cores} CPU core(s): notebooks run one at a time, {threads} thread(s) a kernel; "
             f"independent training runs in a notebook (chapters 02, 04) go {n} at a time in processes of their "
-            f"own, and chapters 06-12 start one process per rank (set {parallel_runs.PROCESSES_ENV} to change {n})")
+            f"own, and chapters 07-13 start one process per rank (set {parallel_runs.PROCESSES_ENV} to change {n})")
 
 
 def cpu_note() -> str:

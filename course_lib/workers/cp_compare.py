@@ -1,4 +1,4 @@
-"""Chapter 11's context-parallel experiment: ring attention over the launch's ranks, against one process.
+"""Chapter 12's context-parallel experiment: ring attention over the launch's ranks, against one process.
 
     torchrun --nproc-per-node 4 -m course_lib.workers.cp_compare --tasks exact,saved,train,api,overlap
 

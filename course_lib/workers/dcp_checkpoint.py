@@ -1,4 +1,4 @@
-"""Sharded checkpoints of an FSDP2 model with ``torch.distributed.checkpoint`` (DCP), chapter 08.
+"""Sharded checkpoints of an FSDP2 model with ``torch.distributed.checkpoint`` (DCP), chapter 09.
 
 Each rank writes only its own shards (``__<rank>_<k>.distcp`` files) and the
 coordinator writes ``.metadata`` last, which says where every piece of every

@@ -1,4 +1,4 @@
-"""BatchNorm under data parallelism: per-rank statistics against synchronised ones (chapter 06).
+"""BatchNorm under data parallelism: per-rank statistics against synchronised ones (chapter 07).
 
     torchrun --nproc-per-node 2 -m course_lib.workers.ddp_batchnorm --batch 4
 

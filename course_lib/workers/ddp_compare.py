@@ -1,4 +1,4 @@
-"""NaiveDDP, BucketedDDP, DynamicBucketedDDP and torch DDP against one process on the whole batch (chapter 06).
+"""NaiveDDP, BucketedDDP, DynamicBucketedDDP and torch DDP against one process on the whole batch (chapter 07).
 
     torchrun --nproc-per-node 2 -m course_lib.workers.ddp_compare --steps 3
 

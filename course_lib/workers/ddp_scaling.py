@@ -1,4 +1,4 @@
-"""Weak scaling of data-parallel training: throughput against world size (chapter 06).
+"""Weak scaling of data-parallel training: throughput against world size (chapter 07).
 
     torchrun --nproc-per-node 4 -m course_lib.workers.ddp_scaling --batch 16 --steps 5
 

@@ -1,4 +1,4 @@
-"""Chapter 11's experiment: a mixture-of-experts layer with its experts over ranks, against one process.
+"""Chapter 12's experiment: a mixture-of-experts layer with its experts over ranks, against one process.
 
     torchrun --nproc-per-node 4 -m course_lib.workers.ep_compare --layouts 4x1,2x2 --ks 1,2
 

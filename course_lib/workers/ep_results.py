@@ -1,4 +1,4 @@
-"""What one launch of chapter 11's worker ``ep_compare`` reports (rebuilt with ``EPReport.from_dict``)."""
+"""What one launch of chapter 12's worker ``ep_compare`` reports (rebuilt with ``EPReport.from_dict``)."""
 
 from __future__ import annotations
 

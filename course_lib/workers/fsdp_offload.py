@@ -1,8 +1,8 @@
-"""Chapter 10's FSDP2 run with and without ``CPUOffloadPolicy``: per-rank memory and step time.
+"""Chapter 11's FSDP2 run with and without ``CPUOffloadPolicy``: per-rank memory and step time.
 
     torchrun --nproc-per-node 2 -m course_lib.workers.fsdp_offload --cfg '{"d_model": 1024, ...}'
 
-FSDP2 (chapter 08) shards the parameters, gradients and Adam state over the
+FSDP2 (chapter 09) shards the parameters, gradients and Adam state over the
 ranks. ``fully_shard(..., offload_policy=CPUOffloadPolicy())`` keeps each rank's
 shards in (pinned) host memory instead: the forward and backward passes copy one
 block's parameter shard to the GPU before gathering it, the reduce-scattered
@@ -38,7 +38,7 @@ MODES = ("none", "cpu")
 
 
 def shard(model: nn.Module, offload: bool, pin_memory: bool) -> nn.Module:
-    """``zero_common.shard_fsdp2`` (chapter 08's ZeRO-3), its shards on the host when ``offload``."""
+    """``zero_common.shard_fsdp2`` (chapter 09's ZeRO-3), its shards on the host when ``offload``."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     return shard_fsdp2(model, offload_policy=CPUOffloadPolicy(pin_memory=pin_memory) if offload else None)

@@ -1,4 +1,4 @@
-"""PipeDream (asynchronous 1F1B with weight stashing) on ``p`` gloo ranks, against synchronous training (chapter 07).
+"""PipeDream (asynchronous 1F1B with weight stashing) on ``p`` gloo ranks, against synchronous training (chapter 08).
 
     torchrun --nproc-per-node 4 -m course_lib.workers.pipedream_run --microbatches 32 --flush-m 8 --seeds 0,1,2
 

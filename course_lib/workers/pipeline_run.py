@@ -1,4 +1,4 @@
-"""Pipeline-parallel training steps on ``p`` ranks, checked against the sequential model (chapter 07).
+"""Pipeline-parallel training steps on ``p`` ranks, checked against the sequential model (chapter 08).
 
     torchrun --nproc-per-node 4 -m course_lib.workers.pipeline_run --schedules gpipe,1f1b --microbatches 8 --api both
 

@@ -1,4 +1,4 @@
-"""A worker that checks the launcher itself (chapter 06; tests/test_launch.py, tests/test_comm.py).
+"""A worker that checks the launcher itself (chapter 07; tests/test_launch.py, tests/test_comm.py).
 
     torchrun --nproc-per-node 2 -m course_lib.workers.selftest --mode ok
 

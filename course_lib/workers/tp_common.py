@@ -1,4 +1,4 @@
-"""What the chapter-09 workers share: torch's tensor-parallel plans, a 2-D mesh, and meters.
+"""What the chapter-10 workers share: torch's tensor-parallel plans, a 2-D mesh, and meters.
 
 The real API splits a module by *plan*: ``parallelize_module(block, mesh,
 {"attn.qkv": ColwiseParallel(), ...})`` replaces each named submodule's

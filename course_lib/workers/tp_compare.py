@@ -1,4 +1,4 @@
-"""Chapter 09's experiment: one transformer block split over ranks, by hand and by torch's API, and a 2-D mesh.
+"""Chapter 10's experiment: one transformer block split over ranks, by hand and by torch's API, and a 2-D mesh.
 
     torchrun --nproc-per-node 4 -m course_lib.workers.tp_compare --tasks ops,byhand,api,mesh
 
@@ -182,7 +182,7 @@ def blocks_task(cfg: RunConfig, with_api: bool, device) -> tuple[list[BlockResul
 
 
 def reference_training(cfg: RunConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Single-process Adam on the whole batch (chapter 08's reference): losses and final parameters by name."""
+    """Single-process Adam on the whole batch (chapter 09's reference): losses and final parameters by name."""
     losses, params = zero_compare.reference(cfg)
     return losses, dict(zip((n for n, _ in build_model(cfg).named_parameters()), params))
 

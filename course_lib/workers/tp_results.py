@@ -1,4 +1,4 @@
-"""What one launch of chapter 09's worker ``tp_compare`` reports: dataclasses, sent as dicts and rebuilt here.
+"""What one launch of chapter 10's worker ``tp_compare`` reports: dataclasses, sent as dicts and rebuilt here.
 
 The worker reports ``dataclasses.asdict(TPReport(...))``; the notebook and the
 tests rebuild it with ``TPReport.from_dict`` and look runs up by method and size.

@@ -1,5 +1,5 @@
-"""What the chapter-08 workers share: the run's configuration, the model, the data, FSDP2 sharding,
-and the typed results the workers report and the parent side (notebook 08, tests, benchmarks) reads back.
+"""What the chapter-09 workers share: the run's configuration, the model, the data, FSDP2 sharding,
+and the typed results the workers report and the parent side (notebook 09, tests, benchmarks) reads back.
 
 Every rank builds the same model from the same seed and reads the same global
 batch for a given step (a function of the step number, so a resumed run reads
@@ -27,7 +27,7 @@ from course_lib.models import TinyTransformer
 
 @dataclass
 class RunConfig:
-    """Sizes of one chapter-08 run; the global batch is split evenly over the ranks."""
+    """Sizes of one chapter-09 run; the global batch is split evenly over the ranks."""
 
     vocab: int = 64
     d_model: int = 64
@@ -101,7 +101,7 @@ def shard_fsdp2(model: TinyTransformer, reshard_after_forward: bool = True,
     parameter is gathered twice per step, as in the paper's stage 3.
     ``mp_policy``: a ``MixedPrecisionPolicy``; ``offload_policy``: an
     ``OffloadPolicy`` (``CPUOffloadPolicy()`` keeps the shards on the host,
-    chapter 10), the same for every part.
+    chapter 11), the same for every part.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -126,7 +126,7 @@ def gather_per_rank(obj: object) -> list:
     return out
 
 
-# ----- results: filled by the workers, read by notebook 08, the tests and the benchmarks ----------
+# ----- results: filled by the workers, read by notebook 09, the tests and the benchmarks ----------
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Chapter 08's experiment: one model trained by DDP, ZeRO-1, ZeRO-2, ZeroRedundancyOptimizer and FSDP2.
+"""Chapter 09's experiment: one model trained by DDP, ZeRO-1, ZeRO-2, ZeroRedundancyOptimizer and FSDP2.
 
     torchrun --nproc-per-node 2 -m course_lib.workers.zero_compare --tasks compare
 
@@ -38,7 +38,7 @@ pure rounding noise (about 1e-11 to 1e-10), whose value depends on the order
 of the sums. Adam divides by the root of the squared gradient plus eps, so it
 moves such a parameter by about lr * |g| / (|g| + eps) a step, in a direction
 set by rounding: two correct implementations that sum in different orders
-drift apart there by that much (chapter 08 prints it). In float64 the same
+drift apart there by that much (chapter 09 prints it). In float64 the same
 comparison agrees to about 1e-13.
 """
 

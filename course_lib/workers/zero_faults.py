@@ -1,4 +1,4 @@
-"""ZeroOptimizer when the ranks do not all do the same thing (chapter 08; tests/test_zero_faults.py).
+"""ZeroOptimizer when the ranks do not all do the same thing (chapter 09; tests/test_zero_faults.py).
 
     torchrun --nproc-per-node 2 -m course_lib.workers.zero_faults --pg-timeout 30
 
