@@ -16,7 +16,8 @@ checkpointed block.
 - ``Checkpointed`` and ``checkpoint_blocks``: wrap each block of a model, fully
   or selectively (``torch.utils.checkpoint.create_selective_checkpoint_contexts``
   with a policy that saves chosen ops and recomputes the rest);
-- ``count_forward_calls``, ``chain`` and ``fastest_times``: what the chapter measures with;
+- ``count_forward_calls`` and ``chain``: what the chapter measures with (its times: ``timing.fastest_times``,
+  importable from here as before);
 - ``predict_longest`` and ``longest_fitting``: the experiment's search for the longest
   sequence that fits a memory budget, predicted from three short steps, then checked.
 """
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import math
-import time
 from collections import Counter
 from contextlib import contextmanager
 from typing import Callable, Collection, Iterable, Iterator, Sequence
@@ -33,6 +33,8 @@ from typing import Callable, Collection, Iterable, Iterator, Sequence
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from course_lib.timing import fastest_times  # noqa: F401 (the planner and older notebooks import it from here)
 
 aten = torch.ops.aten
 
@@ -230,37 +232,6 @@ def chain(n: int, width: int) -> nn.Sequential:
     if n < 1 or width < 1:
         raise ValueError(f"a chain needs n >= 1 blocks and width >= 1, got n={n}, width={width}")
     return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(n)])
-
-
-def fastest_times(steps: dict[str, Callable[[], object]], repeats: int = 5,
-                  clock: Callable[[], float] = time.perf_counter, threads: int | None = None) -> dict[str, float]:
-    """Seconds of the fastest of ``repeats`` runs of each step, run in turns (a, b, a, b, ...) after a warm-up.
-
-    Taking turns spreads any slowdown from other processes over all the steps,
-    and the fastest run is the one least disturbed, so ratios of these times
-    are steadier than ratios of single runs. On a GPU, synchronise inside the step.
-    ``clock`` is wall-clock time by default; ``time.process_time`` counts the CPU time
-    this process used instead (its work, not its waiting for a core). ``threads`` runs the
-    steps on that many intra-op threads (restored afterwards): with ``threads=1`` the CPU
-    time is one core's work, without the time several threads spin waiting for each other.
-    """
-    if repeats < 1:
-        raise ValueError(f"repeats must be at least 1, got {repeats}")
-    before = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
-        for step in steps.values():
-            step()  # warm-up: first-call allocations and kernel selection are not the step's cost
-        best = {name: math.inf for name in steps}
-        for _ in range(repeats):
-            for name, step in steps.items():
-                start = clock()
-                step()
-                best[name] = min(best[name], clock() - start)
-    finally:
-        torch.set_num_threads(before)
-    return best
 
 
 # ----- the longest sequence that fits -------------------------------------------------

@@ -1,4 +1,4 @@
-"""Device choice, seeding, profiles, timing and progress bars (chapter 00).
+"""Device choice, seeding, profiles and progress bars (chapter 00); timing is ``timing``'s.
 
 A *profile* names how big the experiments are:
 
@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import os
 import random
-import time
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, TypeVar
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, TypeVar
+
+from course_lib.timing import time_s  # env.time_s is timing.time_s (cpu_speed below times with it)
 
 if TYPE_CHECKING:
     import torch
@@ -139,27 +140,6 @@ def pick_device(profile: str | None = None) -> "torch.device":
     if profile in (None, "gpu") and torch.cuda.is_available():
         return torch.device("cuda")
     return torch.device("cpu")
-
-
-def time_s(fn: Callable[[], object], device: "torch.device | str") -> float:
-    """Seconds one call of ``fn()`` takes on ``device``.
-
-    On CUDA the host only queues kernels, so a host clock would time the
-    queueing: CUDA events, recorded on the stream around the call, time the
-    GPU's work. On the CPU, ``time.perf_counter``.
-    """
-    import torch
-
-    if torch.device(device).type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3  # elapsed_time is in milliseconds
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def show_progress() -> bool:
