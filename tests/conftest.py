@@ -28,7 +28,7 @@ _cache: dict[str, dict] = {}
 # time and bubbles, 09 what asynchronous buckets hold in flight: they run in the foreground).
 # The others must not share the machine with it: they wait until the background run is done (ZeRO-2's saving in
 # 09 fell to 0.59 of its formula once, with chapter 13's ranks running beside it).
-PREFETCH = ("00", "01", "02", "03", "04", "05", "11", "10", "12", "13")
+PREFETCH = ("00", "01", "02", "03", "04", "05", "06", "11", "10", "12", "13")
 # When the whole suite runs (plain `pytest`, as `make test` does), these test files run in the same background
 # process once its notebooks are done, in a pytest of their own, so that its core is not idle while this one works
 # through the unit tests; their results are printed and counted at the end of this session. Their tests start one
@@ -53,7 +53,7 @@ def _background_allowed() -> bool:
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
-    """On a whole-suite run: hand the SIDE files to the background process, and run the ALONE notebooks last."""
+    """On a whole-suite run: hand the SIDE files to the background process, and order the rest (see _order)."""
     whole = (config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.option.keyword
              and not config.option.markexpr and not config.getoption("maxfail"))
     if not whole or not _background_allowed():
@@ -62,7 +62,14 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     if side:
         _side[:] = sorted({str(it.path.relative_to(ROOT)) for it in side})
         config.hook.pytest_deselected(items=side)
-    items[:] = sorted((it for it in items if it.path.name not in SIDE), key=lambda it: it.path.name in ALONE)
+    items[:] = sorted((it for it in items if it.path.name not in SIDE), key=_order)
+
+
+def _order(item) -> int:
+    """Unit tests first, while the background process executes the notebooks; then the notebooks' tests, whose
+    runs are done by then (run earlier, they would wait for them with a core idle); the ALONE notebooks last."""
+    name = item.path.name
+    return 2 if name in ALONE else 1 if name.startswith("test_nb_") else 0
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
