@@ -100,3 +100,15 @@ def test_weak_scaling_gives_every_rank_the_same_work(claims):
     one = cpu[min(cpu, key=int)]
     for n, v in cpu.items():
         assert 0.6 < v / one < 1.6, f"N={n}: {v:.1f} ms of CPU per rank and step against {one:.1f} at one rank"
+
+
+def test_profiler_trace_shows_where_the_all_reduces_run(claims):
+    # read from the ranks' own Chrome traces: NaiveDDP queues nothing during the backward and none of its
+    # all-reduce time falls inside it; BucketedDDP queues every bucket from the hooks, and some of its time overlaps
+    assert claims["ch07/trace_allreduces/naive"] == [11, 11]  # 10 gradient tensors + the flags of which exist
+    assert claims["ch07/trace_queued_in_backward/naive"] == [0, 0]
+    assert claims["ch07/trace_overlap_fraction/naive"] == 0.0
+    assert claims["ch07/trace_queued_in_backward/bucketed"] == claims["ch07/trace_allreduces/bucketed"]
+    assert min(claims["ch07/trace_allreduces/bucketed"]) >= 3
+    assert claims["ch07/trace_overlap_fraction/bucketed"] > 0.0
+    assert claims["ch07/trace_files_bytes"] < 2e6  # small enough to keep under build/

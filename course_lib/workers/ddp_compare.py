@@ -15,7 +15,9 @@ Rank 0 reports a ``CompareResult``:
   ``dist.all_reduce``;
 - ``no_sync``: all-reduce calls for k accumulated micro-batches, with and
   without ``no_sync()``;
-- ``batchnorm`` (with ``--bn``): see ``ddp_batchnorm``.
+- ``batchnorm`` (with ``--bn``): see ``ddp_batchnorm``;
+- ``trace`` (with ``--trace-dir``): one profiled step of NaiveDDP and BucketedDDP on the timing MLP, a Chrome
+  trace per rank in that folder (``step_trace.trace_ddp``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from course_lib.distributed.ddp_dynamic import DynamicBucketedDDP
 from course_lib.distributed.results import WorkerResult
 from course_lib.models import MLP
 from course_lib.workers.ddp_batchnorm import BatchNormResult, batchnorm_checks
+from course_lib.workers.step_trace import trace_ddp
 
 SMALL_CAP_MB = 4096 / 2**20  # 4 KiB: about one bucket per weight of this small model, so buckets leave mid-backward
 
@@ -137,6 +140,7 @@ class CompareResult(WorkerResult):
     no_sync: NoSync | None = None
     timing: Timing | None = None
     batchnorm: BatchNormResult | None = None
+    trace: list[str] = field(default_factory=list)  # rank 0's trace files (one per rank each, in --trace-dir)
 
 
 def _wrap(kind: str, model: nn.Module, ddp_kwargs: dict, cap_mb: float | None,
@@ -303,6 +307,7 @@ def main() -> None:
     parser.add_argument("--accum", type=int, default=4, help="micro-batches per step for the no_sync count")
     parser.add_argument("--bn", action="store_true", help="also run the BatchNorm checks")
     parser.add_argument("--timing-only", action="store_true", help="skip the equality and no_sync checks")
+    parser.add_argument("--trace-dir", default=None, help="also profile one step of naive and bucketed DDP there")
     parser.add_argument("--seed", type=int, default=0)
     launch.add_timeout_arg(parser)
     a = parser.parse_args()
@@ -318,6 +323,9 @@ def main() -> None:
                                a.timing_steps, a.cap_mb, a.seed, device)
     if a.bn:
         result.batchnorm = batchnorm_checks(rank, world, device, batch=4, seed=a.seed)
+    if a.trace_dir:
+        result.trace = trace_ddp(rank, world, device, a.trace_dir, a.timing_in, tuple(a.timing_hidden),
+                                 a.timing_batch, seed=a.seed)
     launch.report(result)
     launch.shutdown()
 

@@ -4,7 +4,7 @@
 
 Each function profiles one step after one warm-up step (``trace.profile_steps``) with its parts marked by
 ``record_function`` (``forward``, ``backward``, ``sync``, ``optimizer``) and writes ``<variant>_rank<r>.json``
-into ``out``, one file per rank (~100 kB each):
+(DDP, ~100 kB each) or ``.json.gz`` (ZeRO, whose transformer runs many more ops) into ``out``, one file per rank:
 
 - ``trace_ddp``: ``NaiveDDP`` (every gradient all-reduced after the backward) and ``BucketedDDP`` (buckets
   all-reduced from the gradient hooks, while the backward runs) on an MLP; ``ddp_compare --trace-dir`` calls it;
@@ -34,11 +34,11 @@ ZERO_VARIANTS = ("zero1", "zero2")
 
 
 def trace_file(out: str | Path, variant: str, rank: int) -> Path:
-    """Where rank ``rank``'s trace of ``variant`` goes."""
-    return Path(out) / f"{variant}_rank{rank}.json"
+    """Where rank ``rank``'s trace of ``variant`` goes (gzipped for the ZeRO variants: Perfetto reads either)."""
+    return Path(out) / f"{variant}_rank{rank}.json{'.gz' if variant in ZERO_VARIANTS else ''}"
 
 
-def _barrier_then(step, device: torch.device):
+def _barrier_then(step):
     """``step`` after a barrier, so that every rank starts its step at the same moment (the rows line up)."""
     import torch.distributed as dist
 
@@ -76,7 +76,7 @@ def trace_ddp(rank: int, world: int, device: torch.device, out: str | Path, in_f
             with record_function("optimizer"):
                 opt.step()
         path = trace_file(out, variant, rank)
-        profile_steps(_barrier_then(step, device), path, device=device.type)
+        profile_steps(_barrier_then(step), path, device=device.type)
         written.append(path.name)
     return written
 
@@ -102,7 +102,7 @@ def trace_zero(cfg, rank: int, world: int, device: torch.device, out: str | Path
             with record_function("optimizer"):  # ZeRO-1's reduce-scatter, the update, the all-gathers
                 zopt.step()
         path = trace_file(out, variant, rank)
-        profile_steps(_barrier_then(step, device), path, device=device.type)
+        profile_steps(_barrier_then(step), path, device=device.type)
         written.append(path.name)
     return written
 
