@@ -112,3 +112,19 @@ def test_experiment_claims():
     assert longest == sorted(longest) and longest[-1] > longest[0]
     ratios = [c[f"ch11/exp_peak_ratio_{n}"] for n in names[1:]]
     assert 1 > ratios[0] > ratios[1] > ratios[2]
+
+
+def test_profiler_memory_timeline_agrees_with_the_exact_count(profile):
+    c = notebook_claims("11")
+    exact = 1.0 if profile != "gpu" else 0.01  # CUDA's allocator rounds each block up (512 B), the CPU's does not
+    for part in ("params", "grads", "optimizer"):
+        assert abs(c[f"ch11/prof_{part}_over_exact"] - 1.0) <= (0.0 if exact == 1.0 else exact), part
+    # activations: within a percent; the difference is the saved ids and masks, which the profiler calls inputs
+    assert 0.98 <= c["ch11/prof_activation_over_saved"] < 1.0
+    assert c["ch11/prof_nonfloat_saved_bytes"] > 0
+    assert abs(c["ch11/prof_activation_plus_nonfloat_over_saved"] - 1.0) < 1e-4
+    # the four parts never coexist: the step's peak is the activations at the turn and what has appeared beside them
+    assert 0.7 < c["ch11/prof_peak_over_exact_total"] < 1.1
+    assert c["ch11/prof_trace_bytes"] < 3e6
+    if profile == "gpu":
+        assert abs(c["ch11/cuda_snapshot_peak_over_cuda_peak"] - 1.0) < 0.01
