@@ -89,6 +89,18 @@ def test_buckets_leave_during_the_backward(c: dict) -> None:
     assert 0.5 <= c["ch09/timeline_slice_over_grad"] < 0.51  # 1/N of the gradient at N = 2, plus padding
 
 
+def test_profiler_trace_shows_the_reduce_scatters_beside_the_backward(c: dict) -> None:
+    # read from the ranks' Chrome traces: ZeRO-1 queues its reduce-scatters in step(), ZeRO-2 every one of them
+    # from the gradient hooks, and part of their time falls inside the backward
+    buckets = c["ch09/timeline_stage2_after_backward"][1]
+    assert c["ch09/trace_reduce_scatters/zero1"] == c["ch09/trace_reduce_scatters/zero2"] == [buckets, buckets]
+    assert c["ch09/trace_reduce_scatters_queued_in_backward/zero1"] == [0, 0]
+    assert c["ch09/trace_overlap_fraction/zero1"] == 0.0
+    assert c["ch09/trace_reduce_scatters_queued_in_backward/zero2"] == [buckets, buckets]
+    assert c["ch09/trace_overlap_fraction/zero2"] > 0.0
+    assert c["ch09/trace_files_bytes"] < 3e6  # gzipped: small enough to keep under build/
+
+
 def test_accumulation_traffic(c: dict) -> None:
     r = c["ch09/accum_comm_ratio"]  # A = 2 micro-batches per step, against DDP under no_sync
     assert abs(r["zero1"] - 1) < 0.01

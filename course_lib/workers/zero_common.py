@@ -230,6 +230,7 @@ class WorkerResult:
     crash: CrashResult | None = None
     resume: ResumeResult | None = None
     reshard: ReshardResult | None = None
+    trace: list[str] = field(default_factory=list)  # rank 0's trace files (task ``trace``: one per rank each)
 
     @classmethod
     def from_dict(cls, d: dict) -> "WorkerResult":
@@ -241,15 +242,16 @@ class WorkerResult:
 
         return cls(world=d["world"], compare=compare("compare"), exact=compare("exact"),
                    timeline=[BucketTimeline(**t) for t in d.get("timeline", [])], crash=plain(CrashResult, "crash"),
-                   resume=plain(ResumeResult, "resume"), reshard=plain(ReshardResult, "reshard"))
+                   resume=plain(ResumeResult, "resume"), reshard=plain(ReshardResult, "reshard"),
+                   trace=list(d.get("trace") or []))
 
 
-TASKS = ("compare", "exact", "timeline", "crash", "resume", "reshard")
+TASKS = ("compare", "exact", "timeline", "trace", "crash", "resume", "reshard")
 
 
 def run_workers(world: int, tasks: list[str], cfg: RunConfig, methods: list[str] | None = None,
                 ckpt_dir: str | Path | None = None, every: int = 2, crash_at: int = 4, timeout: float = 300,
-                log_dir: str | Path | None = None) -> WorkerResult:
+                log_dir: str | Path | None = None, trace_dir: str | Path | None = None) -> WorkerResult:
     """Launch ``course_lib.workers.zero_compare`` on ``world`` ranks for ``tasks`` (run in this order)."""
     from course_lib.distributed import launch  # the parent side only
 
@@ -261,5 +263,7 @@ def run_workers(world: int, tasks: list[str], cfg: RunConfig, methods: list[str]
         args += ["--methods", ",".join(methods)]
     if ckpt_dir is not None:
         args += ["--ckpt-dir", str(ckpt_dir)]
+    if trace_dir is not None:
+        args += ["--trace-dir", str(trace_dir)]
     out = launch.run("course_lib.workers.zero_compare", world, args, timeout=timeout, log_dir=log_dir)
     return WorkerResult.from_dict(out)

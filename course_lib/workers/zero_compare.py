@@ -19,6 +19,8 @@ for starting the processes once):
   rounding is too small to hide a real difference (in float32 Adam turns
   rounding noise into visible steps, see below);
 - ``timeline``: when ZeroOptimizer's buckets leave during one backward, stages 1 and 2;
+- ``trace``: one profiled step of ZeRO-1 and of ZeRO-2, a Chrome trace per rank in ``--trace-dir``
+  (``step_trace.trace_zero``);
 - ``crash``, ``resume``, ``reshard``: sharded checkpoints (``dcp_checkpoint``).
 
 The peak per rank is what this rank holds at the start of the measured step
@@ -48,7 +50,6 @@ import argparse
 import contextlib
 import dataclasses
 import statistics
-import time
 from typing import Callable, Iterator
 
 import torch
@@ -58,6 +59,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from course_lib import memory
 from course_lib.distributed import comm, launch
 from course_lib.distributed.ddp import counting_allreduce_hook
+from course_lib.timing import time_s
+from course_lib.workers.step_trace import trace_zero
 from course_lib.distributed.zero import ZeroOptimizer, count_fsdp_traffic, held_bytes
 from course_lib.models import lm_loss
 from course_lib.workers.zero_common import (BucketTimeline, CompareResult, MethodResult, RunConfig, WorkerResult,
@@ -218,9 +221,9 @@ def run_method(method: str, cfg: RunConfig, rank: int, world: int,
             resident, p, loss = measure_step(m, x, y, device)  # profiled: not timed
             peak = p if peak is None else min(peak, p)
         else:
-            t0 = time.perf_counter()
-            loss = m.step(x, y)
-            times.append(time.perf_counter() - t0)
+            box: list[float] = []
+            times.append(time_s(lambda: box.append(m.step(x, y)), device))  # CUDA events on a GPU rank
+            loss = box[0]
         losses.append(mean_over_ranks(loss, device))
     timed = times[1:] if len(times) > 1 else times  # the first step pays for first-call allocations
     steps = cfg.steps
@@ -296,6 +299,7 @@ def main() -> None:
     parser.add_argument("--ckpt-dir", default=None, help="checkpoint folder for crash/resume/reshard")
     parser.add_argument("--every", type=int, default=2, help="checkpoint every this many steps")
     parser.add_argument("--crash-at", type=int, default=4, help="crash task: die while saving at this step")
+    parser.add_argument("--trace-dir", default=None, help="trace task: folder for the ranks' trace files")
     a = parser.parse_args()
     cfg = RunConfig.from_json(a.cfg)
     tasks = [t for t in a.tasks.split(",") if t]
@@ -311,6 +315,7 @@ def main() -> None:
         "compare": lambda: compare(cfg, methods, rank, world, device),
         "exact": lambda: compare(exact_cfg, [m for m in methods if m in EXACT_METHODS], rank, world, device),
         "timeline": lambda: timeline(cfg, rank, world, device),
+        "trace": lambda: trace_zero(cfg, rank, world, device, a.trace_dir),
         "crash": lambda: dcp_checkpoint.crash_run(cfg, a.ckpt_dir, a.every, a.crash_at, device),
         "resume": lambda: dcp_checkpoint.resume_run(cfg, a.ckpt_dir, device),
         "reshard": lambda: dcp_checkpoint.reshard_load(cfg, a.ckpt_dir, device),
@@ -321,6 +326,8 @@ def main() -> None:
             raise ValueError(f"unknown task {t!r}; choose from {', '.join(tasks_fn)}")
         if t in ("crash", "resume", "reshard") and not a.ckpt_dir:
             raise ValueError(f"task {t!r} needs --ckpt-dir")
+        if t == "trace" and not a.trace_dir:
+            raise ValueError("task 'trace' needs --trace-dir")
         setattr(result, t, tasks_fn[t]())
     launch.report(dataclasses.asdict(result))
     launch.shutdown()
