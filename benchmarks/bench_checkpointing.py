@@ -16,7 +16,8 @@ import time
 import torch
 
 from course_lib import memory
-from course_lib.checkpointing import best_segments, chain, checkpointed_sequential, fastest_times
+from course_lib.checkpointing import best_segments, chain, checkpointed_sequential
+from course_lib.timing import fastest_times
 
 N_BLOCKS = 16
 BATCH, WIDTH = 2048, 256  # large enough that the matmuls, not Python overhead, set the step time on a CPU

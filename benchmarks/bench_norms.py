@@ -10,7 +10,7 @@
   folded BN (the fastest: convolutions and ReLUs only).
 
 Runs on the GPU when there is one, else on the CPU. Each figure is the fastest of several runs taken in
-turns (``checkpointing.fastest_times``), so a busy moment on a shared machine hits every model alike; on a
+turns (``timing.fastest_times``), so a busy moment on a shared machine hits every model alike; on a
 CPU the clock is the CPU time of one thread, which other processes do not inflate.
 """
 
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib import norms
-from course_lib.checkpointing import fastest_times
+from course_lib.timing import fastest_times
 from course_lib.models import ResNet
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -13,7 +13,7 @@
   ``OffloadToHost`` over a plain one. On a GPU the copies cross PCIe (pinned
   memory); on a CPU they are memory copies into NumPy arrays, so there it is a
   plain figure without a goal.
-Each time is the fastest of a few runs taken in turns (``checkpointing.fastest_times``).
+Each time is the fastest of a few runs taken in turns (``timing.fastest_times``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from course_lib import chunked_loss, offload
-from course_lib.checkpointing import fastest_times
+from course_lib.timing import fastest_times
 from course_lib.models import TinyTransformer, lm_loss
 
 
