@@ -186,9 +186,23 @@ def num_chunks(schedule: Schedule) -> int:
     return 1 + max((_triple(o)[2] for order in schedule for o in order), default=0)
 
 
+def _forward_only(order: Sequence[Op]) -> bool:
+    return bool(order) and all(o[0] == "F" for o in order)
+
+
+def frozen_prefix(schedule: Schedule) -> int:
+    """How many leading stages run forwards only: a frozen prefix, which needs no backward (``pipeline_freeze``)."""
+    n = 0
+    while n < len(schedule) and _forward_only(schedule[n]):
+        n += 1
+    return n
+
+
 def check_schedule(schedule: Schedule) -> tuple[int, int, bool]:
     """Check that every stage runs every op exactly once; return ``(p, m, has_w)``.
 
+    A frozen prefix (``frozen_prefix``: the first stages run forwards only,
+    ``pipeline_freeze``) is allowed on plain schedules; the last stage must train.
     Raises ``ValueError`` that names the stage and what is missing or repeated.
     """
     if not schedule or not all(isinstance(order, (list, tuple)) for order in schedule):
@@ -204,8 +218,16 @@ def check_schedule(schedule: Schedule) -> tuple[int, int, bool]:
     v = num_chunks(schedule)
     ops = ("F", "B", "W") if has_w else ("F", "B")
     expected = sorted((op, i, c) for op in ops for i in range(m) for c in range(v))
+    frozen = frozen_prefix(schedule)
+    if frozen and (frozen == len(schedule) or v > 1):
+        raise ValueError("a frozen prefix (stages that run forwards only) needs a trainable last stage and "
+                         "one model chunk per stage")
     for s, order in enumerate(schedule):
         order = [_triple(o) for o in order]         # JSON gives lists; compare as tuples
+        if s < frozen:                              # frozen: every forward once, nothing else
+            if sorted(order) != [("F", i, 0) for i in range(m)]:
+                raise ValueError(f"frozen stage {s} must run each forward once for micro-batches 0..{m - 1}")
+            continue
         if sorted(order) != expected:
             missing = sorted(set(expected) - set(order))
             repeated = sorted({o for o in order if order.count(o) > 1})
@@ -220,7 +242,10 @@ def inflight_counts(order: Sequence[Op]) -> list[int]:
 
     A forward stores a micro-batch's activations; its backward frees them (its
     ``W`` when the backward is split, since the weight gradient still needs them).
+    A frozen stage (forwards only) keeps none: its forwards run without a graph.
     """
+    if _forward_only(order):
+        return [0] * len(order)
     release = "W" if any(o[0] == "W" for o in order) else "B"
     counts, alive = [], 0
     for o in order:

@@ -62,7 +62,7 @@ from torch import nn
 
 from course_lib.distributed import comm
 from course_lib.distributed.clock import Clock, clock_for
-from course_lib.distributed.pipeline import Schedule, check_schedule, num_chunks
+from course_lib.distributed.pipeline import Schedule, check_schedule, frozen_prefix, num_chunks
 from course_lib.distributed.pipeline_messages import (message_batches, op_links,  # noqa: F401 (re-exported)
                                                       peak_sends_held, send_releases)
 from course_lib.distributed.pipeline_split import (OpCounter, WeightGrads, backward_input, backward_weight,
@@ -199,9 +199,10 @@ class Mailbox:
     it (``send_releases``), and reports what it sends to the meter.
     """
 
-    def __init__(self, schedule: Schedule, rank: int, meter: Meter):
+    def __init__(self, schedule: Schedule, rank: int, meter: Meter, ranks: Sequence[int] | None = None):
         world, v = len(schedule), num_chunks(schedule)
-        self.batches = message_batches([tuple(o) for o in schedule[rank]], rank, world, v)
+        self.batches = message_batches([tuple(o) for o in schedule[rank]], rank, world, v, frozen_prefix(schedule))
+        self.ranks = list(ranks) if ranks is not None else list(range(world))   # stage -> process rank
         self.releases = send_releases(schedule, rank)
         self.held: dict[int, tuple[comm.Exchange, torch.Tensor]] = {}   # op -> its send, tensor kept until done
         self.meter = meter
@@ -212,7 +213,8 @@ class Mailbox:
         Waits for the receive only (the rank idles here); the send completes in the background.
         """
         sends, recvs = self.batches[k]
-        ex = comm.exchange([comm.Message(outgoing, *s) for s in sends], [comm.Message(into, *r) for r in recvs])
+        ex = comm.exchange([comm.Message(outgoing, self.ranks[q], tag) for q, tag in sends],
+                           [comm.Message(into, self.ranks[q], tag) for q, tag in recvs])
         if sends:
             self.held[k - 1] = (ex, outgoing)
             self.meter.sent(outgoing.nbytes, len(self.held))
@@ -232,7 +234,8 @@ def run_stage(stage: nn.Module | Sequence[nn.Module], schedule: Schedule, rank: 
               loss_fn: LossFn | None = None, op_seconds: dict[str, float] | None = None,
               device: torch.device | str = "cpu", clock: Clock | None = None,
               weights: Callable[[int], dict[str, torch.Tensor]] | None = None,
-              after_backward: Callable[[int], None] | None = None, count_ops: bool = False) -> StageRun:
+              after_backward: Callable[[int], None] | None = None, count_ops: bool = False,
+              ranks: Sequence[int] | None = None) -> StageRun:
     """Run ``schedule[rank]``, this rank's ops; gradients accumulate in ``stage`` (chapter 08).
 
     ``stage`` is this rank's module, or its ``v`` chunks for an interleaved
@@ -247,9 +250,16 @@ def run_stage(stage: nn.Module | Sequence[nn.Module], schedule: Schedule, rank: 
     with ``weights(i)`` (the parameters micro-batch ``i``'s forward runs on:
     a stashed copy) and ``after_backward(i)`` (apply its gradient, step).
     ``count_ops`` records each op's ATen ops in ``StageRun.op_counts``.
+    A frozen prefix (``pipeline.frozen_prefix``: its stages' orders hold
+    forwards only, ``pipeline_freeze``) runs its forwards without a graph and
+    keeps nothing; the first trainable stage asks no gradient of its input and
+    sends none back. ``ranks`` names the process rank of each stage (default
+    ``0..p-1``): several pipelines, data-parallel replicas, can share one group.
     """
     world, num_mb, split = check_schedule(schedule)
-    v = num_chunks(schedule)
+    v, frozen = num_chunks(schedule), frozen_prefix(schedule)
+    if ranks is not None and len(ranks) != world:
+        raise ValueError(f"ranks names the process of each of the {world} stages; got {list(ranks)}")
     chunks = list(stage) if isinstance(stage, (list, tuple)) else [stage]
     shapes = list(in_shape) if v > 1 else [in_shape]
     if len(chunks) != v or len(shapes) != v:
@@ -268,7 +278,7 @@ def run_stage(stage: nn.Module | Sequence[nn.Module], schedule: Schedule, rank: 
     clock = clock or clock_for(device)
     params = [list(ch.parameters()) for ch in chunks]
     meter = Meter(clock, op_seconds, count_ops)
-    mail = Mailbox(schedule, rank, meter)
+    mail = Mailbox(schedule, rank, meter, ranks)
     inflight: dict[tuple[int, int], MicroBatch] = {}   # (micro-batch, chunk) -> its record until freed
     outputs: list[torch.Tensor] = []
     losses: list[torch.Tensor] = []
@@ -303,7 +313,11 @@ def run_stage(stage: nn.Module | Sequence[nn.Module], schedule: Schedule, rank: 
                 shape, dtype = shapes[c]
                 x = torch.empty(shape, dtype=dtype, device=device)
                 mail.exchange(k, outgoing, into=x)
-                x.requires_grad_(True)                # we will send its gradient back
+                x.requires_grad_(vs > frozen)         # we will send its gradient back (not to a frozen stage)
+            if rank < frozen:                         # frozen: no graph, nothing kept, nothing comes back
+                with meter.op(kind, i, c), torch.no_grad():
+                    outgoing = chunks[c](x).contiguous()
+                continue
             with meter.op(kind, i, c):
                 mb = inflight[(i, c)] = forward(i, c, x, at_end)
                 meter.kept(mb.nbytes, len(inflight))
@@ -323,7 +337,7 @@ def run_stage(stage: nn.Module | Sequence[nn.Module], schedule: Schedule, rank: 
                     meter.freed(mb.nbytes)
                     if after_backward:
                         after_backward(i)
-                outgoing = None if at_start else dx.contiguous()
+                outgoing = None if vs <= frozen else dx.contiguous()
         else:                                         # W: the weights' gradients, from what B kept
             mail.exchange(k, outgoing)
             mb = inflight.pop((i, c))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from course_lib.distributed.pipeline import Schedule, num_chunks
+from course_lib.distributed.pipeline import Schedule, frozen_prefix, num_chunks
 
 
 def _tag(microbatch: int, backward: bool, chunk: int = 0, chunks: int = 1) -> int:
@@ -21,10 +21,12 @@ def _tag(microbatch: int, backward: bool, chunk: int = 0, chunks: int = 1) -> in
 Link = tuple[int, int]  # (peer rank, tag) of one message
 
 
-def op_links(op: tuple, rank: int, world: int, chunks: int = 1) -> tuple[Link | None, Link | None]:
+def op_links(op: tuple, rank: int, world: int, chunks: int = 1,
+             frozen: int = 0) -> tuple[Link | None, Link | None]:
     """What one op receives before it runs and sends after: ``(recv, send)``, ``None`` where it has none.
 
-    ``chunks = v``: the op's chunk ``c`` is virtual stage ``c p + rank`` of ``p v``.
+    ``chunks = v``: the op's chunk ``c`` is virtual stage ``c p + rank`` of ``p v``. ``frozen``: the
+    first stages run forwards only (``pipeline.frozen_prefix``); the first trainable one sends no gradient.
     """
     kind, i, c = op[0], op[1], (op[2] if len(op) == 3 else 0)
     if kind == "W":
@@ -36,11 +38,11 @@ def op_links(op: tuple, rank: int, world: int, chunks: int = 1) -> tuple[Link | 
 
     if kind == "F":                              # activations flow forward
         return (None if vs == 0 else link(vs - 1, vs)), (None if vs == last else link(vs + 1, vs + 1))
-    return (None if vs == last else link(vs + 1, vs)), (None if vs == 0 else link(vs - 1, vs - 1))  # gradients back
+    return (None if vs == last else link(vs + 1, vs)), (None if vs <= frozen else link(vs - 1, vs - 1))  # back
 
 
 def message_batches(order: Sequence[tuple], rank: int, world: int,
-                    chunks: int = 1) -> list[tuple[list[Link], list[Link]]]:
+                    chunks: int = 1, frozen: int = 0) -> list[tuple[list[Link], list[Link]]]:
     """The ``(sends, recvs)`` a rank posts together between ops: batch ``k`` runs before op ``k``.
 
     Batch ``k`` holds op ``k-1``'s send and op ``k``'s receive; the last one
@@ -50,7 +52,7 @@ def message_batches(order: Sequence[tuple], rank: int, world: int,
     runs such a pair only as one group (posted one by one, both ranks would
     sit in their send). The sends leave exactly when they did one by one.
     """
-    links = [op_links(op, rank, world, chunks) for op in order]
+    links = [op_links(op, rank, world, chunks, frozen) for op in order]
     batches = []
     for k in range(len(order) + 1):
         send = links[k - 1][1] if k > 0 else None
@@ -66,9 +68,9 @@ def peak_sends_held(schedule: Schedule, rank: int) -> int:
     ``min(p - s + 1, m)`` on a later stage ``s`` (its cool-down's gradients),
     whatever ``m`` (chapter 08 checks this for p = 2..8, m = 1..24); GPipe: ``m``.
     """
-    world, v = len(schedule), num_chunks(schedule)
+    world, v, frozen = len(schedule), num_chunks(schedule), frozen_prefix(schedule)
     rel = send_releases(schedule, rank)
-    sends = [k for k, o in enumerate(schedule[rank]) if op_links(o, rank, world, v)[1]]
+    sends = [k for k, o in enumerate(schedule[rank]) if op_links(o, rank, world, v, frozen)[1]]
     # before op r: every send up to op r - 1 that op r's receive (or a later one) has not yet proven delivered
     return max([0] + [sum(1 for j in sends if j < r and (rel[j] is None or rel[j] >= r))
                       for r in range(1, len(schedule[rank]) + 1)])
@@ -82,9 +84,9 @@ def send_releases(schedule: Schedule, rank: int) -> list[int | None]:
     once we have received it, our send is complete and its tensor can go.
     ``None``: no such op (released at the end of the step), or the op sends nothing.
     """
-    world, v = len(schedule), num_chunks(schedule)
+    world, v, frozen = len(schedule), num_chunks(schedule), frozen_prefix(schedule)
     order = schedule[rank]
-    links = [[op_links(o, q, world, v) for o in schedule[q]] for q in range(world)]
+    links = [[op_links(o, q, world, v, frozen) for o in schedule[q]] for q in range(world)]
     # where each message (peer, tag, sender) is consumed and produced, as positions in the ranks' orders
     consumed = {(q, link[1], link[0]): j for q in range(world) for j, (link, _) in enumerate(links[q]) if link}
     produced = {(q, link[1], link[0]): j for q in range(world) for j, (_, link) in enumerate(links[q]) if link}

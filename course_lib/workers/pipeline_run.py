@@ -16,6 +16,8 @@ activation bytes in flight, and the busy intervals of every op (for a Gantt char
 rank 0 reports a ``PipelineResult``. On GPU ranks the ops are timed with CUDA events.
 The unmeasured warm-up step of each schedule counts every op's ATen ops (``PipelineResult.counted``),
 and ``--unpadded`` runs schedules once more with no padding (``PipelineResult.unpadded``).
+``--freeze-stages k`` also runs ``pipeline_freeze_run``'s steps, the first ``k`` stages frozen and then
+the pipeline repacked, in the same launch (``PipelineResult.freeze``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from course_lib.distributed.pipeline_exec import (StageRun, boundary_shapes, mea
                                                   run_stage, split_sequential)
 from course_lib.env import seed_everything
 from course_lib.models import TinyTransformer, lm_loss
+from course_lib.workers.pipeline_freeze_run import FreezeRun, add_model_args, freeze_steps
 
 
 def _ints(text: str) -> list[int]:
@@ -126,6 +129,7 @@ class PipelineResult(WorkerResult):
     torch_api: list[TorchApiRun] = field(default_factory=list)
     counted: list[HandmadeRun] = field(default_factory=list)    # the warm-up steps, unpadded, ops counted
     unpadded: list[HandmadeRun] = field(default_factory=list)   # --unpadded: each op takes what its work takes
+    freeze: FreezeRun | None = None         # --freeze-stages: frozen prefix, then repacked (pipeline_freeze_run)
 
 
 def handmade_step(a: argparse.Namespace, kind: str, m: int, rank: int, world: int, device: torch.device,
@@ -236,14 +240,7 @@ def main() -> None:
     parser.add_argument("--schedules", default="gpipe,1f1b", help="comma-separated: gpipe, 1f1b, zb-h1, interleaved")
     parser.add_argument("--chunks", type=int, default=2, help="model chunks per rank of the interleaved schedule")
     parser.add_argument("--microbatches", default="8", help="comma-separated numbers of micro-batches")
-    parser.add_argument("--microbatch-size", type=int, default=2, help="sequences per micro-batch")
-    parser.add_argument("--seq-len", type=int, default=16)
-    parser.add_argument("--vocab", type=int, default=64)
-    parser.add_argument("--d-model", type=int, default=32)
-    parser.add_argument("--heads", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=0, help="transformer blocks (0: 2p - 2)")
-    parser.add_argument("--t-forward-ms", type=float, default=20.0, help="pad each forward to this (0: no padding)")
-    parser.add_argument("--t-backward-ms", type=float, default=40.0, help="pad each backward to this")
+    add_model_args(parser)                         # --microbatch-size ... --t-backward-ms, shared with freezing
     parser.add_argument("--api", choices=["handmade", "torch", "both"], default="handmade",
                         help="the hand-written executor, torch.distributed.pipelining, or both")
     parser.add_argument("--torch-microbatches", default="",
@@ -259,6 +256,10 @@ def main() -> None:
                              "(each op takes what its work takes), the fastest of --repeats tries")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run each padded step this often and keep the fastest (least disturbed) one")
+    parser.add_argument("--freeze-stages", type=int, default=0,
+                        help="also run pipeline_freeze_run's steps at the main number of micro-batches with this "
+                             "many stages frozen (0: not), in this launch: no second start of the processes")
+    parser.add_argument("--freeze-repeats", type=int, default=1, help="tries of each padded freeze step")
     parser.add_argument("--seed", type=int, default=0)
     launch.add_timeout_arg(parser)
     a = parser.parse_args()
@@ -302,6 +303,9 @@ def main() -> None:
                 best = min(tries, key=lambda r: r.makespan_s)
                 best.bubble_measured_all = [r.bubble_measured for r in tries]
                 result.unpadded.append(best)
+    if a.freeze_stages > 0:
+        main_m = _ints(a.torch_microbatches or a.microbatches)[-1]
+        result.freeze = freeze_steps(a, a.freeze_stages, main_m, a.freeze_repeats, rank, world, device, clock)
     if a.api in ("torch", "both"):
         for kind in kinds:
             for m in _ints(a.torch_microbatches or a.microbatches):
