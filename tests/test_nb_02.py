@@ -67,7 +67,8 @@ def test_noise_scale_claims():
     c = notebook_claims("02")
     init, trained = c["ch02/noise_scale_init"], c["ch02/noise_scale_trained"]
     # by definition (per-sample gradients): small at initialisation, below the small batch of 16 (measured 3.8),
-    # and it grows with training (measured 247 and 129 at cpu, AVX-512 and AVX2 kernels): the true gradient shrinks, the per-sample noise does not
+    # and it grows with training (measured 247 and 129 at cpu, AVX-512 and AVX2 kernels): the true gradient
+    # shrinks, the per-sample noise does not
     assert 0 < init < 16 < trained
     # so the best rate grows far less than 8x from batch 16 to 128 at the start (measured 1.2), more after training
     assert c["ch02/best_lr_ratio_init"] < 2 < c["ch02/best_lr_ratio_trained"] < 8
