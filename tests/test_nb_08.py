@@ -159,3 +159,61 @@ def test_comparison_table_is_measured(claims):
     assert table["interleaved"]["messages"] > table["1f1b"]["messages"] == table["pipedream"]["messages"]
     assert table["zb-h1"]["bubble"] < table["1f1b"]["bubble"]
     assert table["pipedream"]["weight_copies"] == p
+
+
+def test_frozen_prefix_in_the_simulator(claims):
+    p, m = len(claims["ch08/sim_peak_inflight_gpipe"]), claims["ch08/sim_peak_inflight_gpipe"][0]
+    assert claims["ch08/freeze_sim_makespan_max_abs_error"] < 1e-12     # k t_f + (m + p - k - 1)(t_f + t_b)
+    assert claims["ch08/freeze_sim_makespans"] == pytest.approx([k + (m + p - k - 1) * 3.0 for k in range(p)])
+    bubbles = claims["ch08/freeze_sim_bubbles"]
+    assert all(a < b for a, b in zip(bubbles, bubbles[1:]))             # frozen in place: the idle share grows
+    plan = claims["ch08/freeze_plan"]
+    assert [row["frozen"] for row in plan] == [0, p, p + p // 2]          # alpha = 1/2 on 2p layers
+    for row in plan:
+        assert row["stages"] * row["replicas"] == p
+        assert row["repacked"] <= row["cached"] <= row["in_place"]
+    assert [(row["stages"], row["replicas"]) for row in plan][:2] == [(p, 1), (p // 2, 2)]
+    assert plan[1]["in_place"] / plan[1]["repacked"] > 1.5               # repacking, not freezing, saves the time
+
+
+def test_frozen_stages_run_no_backward_for_real(claims):
+    p, m = len(claims["ch08/sim_peak_inflight_gpipe"]), claims["ch08/sim_peak_inflight_gpipe"][0]
+    k = len(claims["ch08/freeze_backward_ops_frozen"])
+    assert 1 <= k < p
+    assert claims["ch08/freeze_backward_ops_frozen"] == [0] * k           # no backward operator at all
+    ours, unfrozen = claims["ch08/freeze_backward_ops_first_trainable"]
+    assert 0 < ours < unfrozen                                           # no gradient for its input
+    assert claims["ch08/freeze_later_backwards_unchanged"] is True
+    sent, formula, before = claims["ch08/freeze_messages"]
+    assert sent == formula == (p - 1) * m + (p - 1 - k) * m and before == 2 * (p - 1) * m
+    assert claims["ch08/freeze_peak_bytes_frozen"] == [0] * k             # no activations saved
+    assert claims["ch08/freeze_grad_max_abs_diff"] < 1e-5                 # the sequential step, prefix frozen
+    assert claims["ch08/freeze_frozen_grads_none"] is True
+    assert claims["ch08/freeze_loss_abs_diff"] < 1e-5
+    assert claims["ch08/freeze_bubble_error"] <= 0.05                     # measured against the simulator
+    frozen, unfrozen_bubble = claims["ch08/freeze_bubble_vs_unfrozen"]
+    assert frozen > unfrozen_bubble
+
+
+def test_repacked_pipeline_with_replicas_for_real(claims):
+    p = len(claims["ch08/sim_peak_inflight_gpipe"])
+    stages, replicas = claims["ch08/freeze_plan_real"]
+    assert stages * replicas == p and replicas >= 2
+    assert claims["ch08/freeze_repacked_grad_max_abs_diff"] < 1e-5
+    assert claims["ch08/freeze_repacked_loss_abs_diff"] < 1e-5
+    assert claims["ch08/freeze_repacked_bubble_error"] <= 0.05
+    measured, simulated = claims["ch08/freeze_speedup"]
+    assert measured > 1.5 and abs(measured - simulated) / simulated < 0.15
+    cache = claims["ch08/freeze_cache"]
+    assert cache["bytes"] == cache["formula"] > 0                          # samples x sequence x d_model x 4
+    assert cache["computed"] == cache["samples"]                           # once per sample ...
+    assert cache["hits"] == (cache["steps"] - 1) * cache["samples"]        # ... then read from the cache
+
+
+def test_activation_cache_skips_the_prefix_in_later_epochs(claims):
+    per_epoch = claims["ch08/freeze_cache_prefix_samples"]
+    n = per_epoch["recompute"][0]
+    assert n > 0 and per_epoch["recompute"] == [n] * 3 and per_epoch["cache"] == [n, 0, 0]
+    assert claims["ch08/freeze_cache_loss_max_abs_diff"] < 1e-6
+    held, formula = claims["ch08/freeze_cache_bytes"]
+    assert held == formula
