@@ -3,6 +3,9 @@
 - ``ResNet``: a CIFAR-style residual network whose normalisation layer is an
   argument (``norm_layer(channels) -> nn.Module``), so chapter 04 can swap
   BatchNorm for GroupNorm or MABN without touching the network.
+- ``NFResNet``: the same layout with no normalisation layer (a normaliser-free ResNet,
+  Brock et al. 2021a): scaled weight standardisation and residual branches scaled by
+  alpha and 1/beta (chapter 04).
 - ``MLP``: the simplest model with no normalisation, for exact-gradient checks.
 - ``TinyTransformer``: a decoder-only language model whose blocks form an
   ``nn.Sequential`` (checkpointing, pipeline stages and sharding cut it there).
@@ -78,6 +81,101 @@ class ResNet(nn.Module):
                 f"ResNet expects images of shape (batch, {self.in_channels}, H, W); got {tuple(x.shape)}"
             )
         return self.fc(self.flatten(self.pool(self.layers(self.stem(x)))))
+
+
+# ----- a normaliser-free ResNet (chapter 04) ----------------------------------------------
+
+# relu(z) of z ~ N(0, 1) has variance (1 - 1/pi) / 2: this gain brings it back to 1 (Brock et al. 2021a).
+RELU_GAIN = math.sqrt(2 / (1 - 1 / math.pi))
+
+
+class ScaledStdConv2d(nn.Conv2d):
+    """``nn.Conv2d`` with scaled weight standardisation (Brock et al. 2021a, "Characterizing signal propagation
+    to close the performance gap in unnormalized ResNets"): each filter is used as
+    ``gain * (W - mean(W)) / (std(W) * sqrt(fan_in))``, over its fan-in, with a learned per-filter ``gain``
+    (initially 1). A zero-mean filter of squared norm 1 maps inputs of unit variance to outputs of unit
+    variance, at every step of training, not only at initialisation. Costs a mean and a variance over the
+    weights each forward: nothing per activation.
+    """
+
+    def __init__(self, *args: object, eps: float = 1e-4, **kwargs: object):
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.gain = nn.Parameter(torch.ones(self.out_channels))
+        self.eps = eps  # floor on var * fan_in, as in the authors' code: a filter of equal weights stays finite
+
+    def standardized_weight(self) -> torch.Tensor:
+        fan_in = self.weight[0].numel()
+        mean = self.weight.mean(dim=(1, 2, 3), keepdim=True)
+        var = self.weight.var(dim=(1, 2, 3), unbiased=False, keepdim=True)
+        scale = torch.rsqrt(torch.clamp(var * fan_in, min=self.eps)) * self.gain.view(-1, 1, 1, 1)
+        return (self.weight - mean) * scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._conv_forward(x, self.standardized_weight(), self.bias)
+
+
+class NFBlock(nn.Module):
+    """A pre-activation residual block without normalisation: ``x + alpha * f(x / beta)``.
+
+    ``beta`` is the expected standard deviation of ``x`` (tracked by ``NFResNet``), so the branch ``f``
+    (scaled ReLU, 3x3 conv, scaled ReLU, 3x3 conv) sees unit variance and returns about unit variance;
+    ``alpha`` (0.2 in the paper) is how much variance each block adds. Where the shape changes, the
+    shortcut is a 1x1 conv of the same unit-variance input, which resets the variance to 1 + alpha^2.
+    """
+
+    def __init__(self, cin: int, cout: int, stride: int, alpha: float, beta: float):
+        super().__init__()
+        self.alpha, self.beta = alpha, beta
+        self.conv1 = ScaledStdConv2d(cin, cout, 3, stride, 1)
+        self.conv2 = ScaledStdConv2d(cout, cout, 3, 1, 1)
+        self.shortcut = ScaledStdConv2d(cin, cout, 1, stride) if stride != 1 or cin != cout else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(x) * (RELU_GAIN / self.beta)  # ReLU is positively homogeneous: relu(x / beta) * gain
+        shortcut = x if self.shortcut is None else self.shortcut(out)
+        out = self.conv2(F.relu(self.conv1(out)) * RELU_GAIN)
+        return shortcut + self.alpha * out
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha}, beta={self.beta:.4f}"
+
+
+class NFResNet(nn.Module):
+    """``ResNet``'s layout (stem, three stages, pooling, ``fc``) with no normalisation layer: a normaliser-free
+    ResNet (NF-ResNet, Brock et al. 2021a) with ``ScaledStdConv2d`` convolutions and ``NFBlock`` blocks.
+
+    The expected variance of the residual stream starts at 1 after the stem and grows by ``alpha^2`` a block
+    (each branch adds about ``alpha^2``), reset to 1 + ``alpha^2`` after a block with a projection shortcut;
+    each block divides its input by the square root of what it expects (``beta``). ``expected_var`` lists the
+    values; the tests measure them at initialisation. No batch statistics: a sample's output does not depend
+    on its batch-mates, as with GroupNorm. Train it with ``agc.adaptive_clip_`` at high learning rates.
+    """
+
+    def __init__(self, width: int = 16, blocks: tuple[int, int, int] = (1, 1, 1), num_classes: int = 10,
+                 alpha: float = 0.2, in_channels: int = 3):
+        super().__init__()
+        self.stem = ScaledStdConv2d(in_channels, width, 3, 1, 1)
+        layers: list[nn.Module] = []
+        self.expected_var: list[float] = []  # of each block's input, then of the last block's output
+        cin, var = width, 1.0
+        for stage, count in enumerate(blocks):
+            cout = width * 2**stage
+            for i in range(count):
+                block = NFBlock(cin, cout, 2 if (stage > 0 and i == 0) else 1, alpha, math.sqrt(var))
+                layers.append(block)
+                self.expected_var.append(var)
+                var = (1.0 if block.shortcut is not None else var) + alpha**2
+                cin = cout
+        self.expected_var.append(var)
+        self.layers = nn.Sequential(*layers)
+        self.pool, self.flatten, self.fc = nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes)
+        self.in_channels = in_channels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 4 or x.shape[1] != self.in_channels:
+            raise ValueError(f"NFResNet expects images of shape (batch, {self.in_channels}, H, W); got {tuple(x.shape)}")
+        # the last block's output is a residual stream, not yet activated: the scaled ReLU first, as a block does
+        return self.fc(self.flatten(self.pool(F.relu(self.layers(self.stem(x))) * RELU_GAIN)))
 
 
 class MLP(nn.Module):
