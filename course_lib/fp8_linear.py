@@ -1,0 +1,78 @@
+"""A linear layer whose three matmuls run in FP8, by hand (chapter 06).
+
+Forward ``y = x W^T``: x and W cast to e4m3 with per-tensor dynamic scales, multiplied by
+``torch._scaled_mm`` (FP8 inputs, float32 accumulation and output, the scales undone inside). Backward: the
+incoming gradient cast to e5m2 (wider range, less precision: gradients span more decades than they need
+digits), then ``dX = dY W`` and ``dW = dY^T x`` in FP8 as well, from the e4m3 copies the forward saved (so the
+saved activation costs 1 byte an element, not 4). The master weight, its gradient and Adam's state stay float32.
+On a CPU this is slower than float32 (no FP8 units: the kernel converts); on an H100/H200 the FP8 tensor cores
+run about twice the bf16 rate.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from course_lib import fp8
+
+
+def scaled_mm(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
+    """``dequant(a) @ dequant(b)`` for FP8 ``a`` (M x K) and ``b`` (K x N), float32 out, with torch's kernel.
+    ``_scaled_mm`` wants the second operand column-major and the scales as the inverse (dequantizing) factors."""
+    return torch._scaled_mm(a_q.contiguous(), b_q.t().contiguous().t(), scale_a=(1.0 / a_scale).reshape(()),
+                            scale_b=(1.0 / b_scale).reshape(()), out_dtype=torch.float32)
+
+
+def _cast(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    s = fp8.dynamic_scale(x, fmt)
+    return fp8.quantize(x, fmt, s), s
+
+
+class _FP8Matmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # x: (M, K), weight: (N, K)
+        xq, xs = _cast(x, "e4m3")
+        wq, ws = _cast(weight, "e4m3")
+        ctx.save_for_backward(xq, xs, wq, ws)  # FP8 copies: 1 byte an element
+        return scaled_mm(xq, xs, wq.t(), ws)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        xq, xs, wq, ws = ctx.saved_tensors
+        gq, gs = _cast(grad_out, "e5m2")
+        grad_x = scaled_mm(gq, gs, wq, ws)            # (M, N) @ (N, K)
+        grad_w = scaled_mm(gq.t(), gs, xq, xs)        # (N, M) @ (M, K)
+        return grad_x, grad_w
+
+
+def fp8_matmul_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The same forward from quantize-dequantize in float32: what ``_FP8Matmul`` must equal to rounding."""
+    return fp8.qdq(x, "e4m3", fp8.dynamic_scale(x, "e4m3")) @ fp8.qdq(weight, "e4m3",
+                                                                        fp8.dynamic_scale(weight, "e4m3")).t()
+
+
+class FP8Linear(nn.Linear):
+    """``nn.Linear`` whose matmuls run in FP8 (float32 master weight; the bias added in float32)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = _FP8Matmul.apply(x.reshape(-1, x.shape[-1]).float(), self.weight)
+        y = y.reshape(*lead, self.out_features)
+        return y + self.bias if self.bias is not None else y
+
+
+def to_fp8_linears(model: nn.Module, skip: tuple[str, ...] = ()) -> nn.Module:
+    """Replace every ``nn.Linear`` of ``model`` (but those whose name ends with one in ``skip``) by an
+    ``FP8Linear`` with the same weights, in place. ``_scaled_mm`` needs both dimensions multiples of 16."""
+    for name, child in list(model.named_children()):
+        if isinstance(child, nn.Linear) and not isinstance(child, FP8Linear) and not name.endswith(skip):
+            if child.in_features % 16 or child.out_features % 16:
+                raise ValueError(f"{name}: {child.in_features} -> {child.out_features} features; FP8 matmuls "
+                                 "need multiples of 16 (pad the layer, or skip it)")
+            new = FP8Linear(child.in_features, child.out_features, bias=child.bias is not None)
+            new.load_state_dict(child.state_dict())
+            setattr(model, name, new)
+        else:
+            to_fp8_linears(child, skip)
+    return model
