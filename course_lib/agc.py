@@ -68,7 +68,7 @@ def adaptive_clip_(parameters: Iterable[torch.Tensor], clipping: float = 0.01, e
         clipped = count if clipped is None else clipped + count
         units += over.numel()
     if clipped is None:
-        return torch.zeros(())
+        return torch.zeros(())  # host: no parameter to clip, nothing on any device
     return clipped / units
 
 

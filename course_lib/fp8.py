@@ -31,7 +31,7 @@ class Format:
 
     @property
     def bytes(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return torch.empty((), dtype=self.dtype).element_size()  # host: only its size is read
 
 
 def _format(name: str, dtype: torch.dtype, mantissa_bits: int) -> Format:
@@ -101,7 +101,7 @@ def cast_stats(x: torch.Tensor, fmt: str, scale: torch.Tensor | float = 1.0) -> 
     """How ``x`` fares in ``fmt`` at ``scale``: relative error (norm), and the shares of non-zero values that
     became zero (underflow) or were clamped at the format's largest value (overflow)."""
     f = get_format(fmt)
-    scaled = x.float() * torch.as_tensor(scale, dtype=torch.float32)
+    scaled = x.float() * torch.as_tensor(scale, dtype=torch.float32, device=x.device)
     back = qdq(x, fmt, scale)
     nonzero = x != 0
     n = max(int(nonzero.sum()), 1)

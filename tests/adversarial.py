@@ -612,7 +612,7 @@ wire.dump = _hostile_dump'''])
 ANSWERS_PLAN = {
     "hostile_answers_07": ("08_pipeline_parallel", {"q1_one_f_one_b_test": "unused_tensors",
                                                     "q2_bubble_fraction_test": "colliding_set",
-                                                    "q3_min_microbatches_test": "colliding_keys"}, 3),
+                                                    "q3_min_microbatches_test": "colliding_keys"}, 4),
     "hostile_answers_08": ("09_sharded_training", {"q1_shard_bounds_test": "long_integer",
                                                    "q2_zero1_step_test": "wide_tensor",
                                                    "q3_bytes_sent_test": "vast_empty_tensor"}, 1)}

@@ -142,7 +142,7 @@ def test_the_honest_part_of_an_attack_still_scores(graded):
 def test_a_killer_kills_nothing_and_everyone_is_graded(graded):
     run, rows = graded["run"], graded["rows"]
     assert run.returncode == 0, f"every notebook should be graded:\n{run.stderr[-3000:]}"
-    assert rows["killer"]["score"] == "0" and rows["zz_after_the_killer"]["score"] == "7"
+    assert rows["killer"]["score"] == "0" and rows["zz_after_the_killer"]["score"] == "10"
     assert all(r["score"] != "" for r in rows.values()), [r["student"] for r in rows.values() if r["score"] == ""]
 
 

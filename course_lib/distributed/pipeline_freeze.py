@@ -147,13 +147,13 @@ class ActivationCache:
     def __init__(self, prefix: nn.Module, num_samples: int):
         self.prefix, self.num_samples = prefix, num_samples
         self.store: torch.Tensor | None = None          # (num_samples, *output shape), made at the first call
-        self.filled = torch.zeros(num_samples, dtype=torch.bool)
+        self.filled = torch.zeros(num_samples, dtype=torch.bool)  # host: bookkeeping of sample indices
         self.computed = 0                               # samples the prefix ran on
         self.hits = 0                                   # samples served from the cache
 
     @torch.no_grad()
     def get(self, index: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        index = torch.as_tensor(index, dtype=torch.long)
+        index = torch.as_tensor(index, dtype=torch.long)  # host: indexes the host-side mask above
         miss = ~self.filled[index]
         if miss.any():
             out = self.prefix(x[miss.to(x.device)])

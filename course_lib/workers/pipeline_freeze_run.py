@@ -140,7 +140,8 @@ def freeze_steps(a: argparse.Namespace, k: int, m: int, repeats: int, rank: int,
     for _ in range(repeats):
         run = step(m, True, False)
         runs = _gather({"rank": rank, "start": run.start, "end": run.end, "busy": run.busy}, rank, world)
-        span = torch.tensor([0.0 if runs is None else max(r["end"] for r in runs) - min(r["start"] for r in runs)])
+        span = torch.tensor([0.0 if runs is None else max(r["end"] for r in runs) - min(r["start"] for r in runs)],
+                            device=device)  # broadcast: on the group's device (NCCL needs CUDA)
         dist.broadcast(span, 0)                  # every rank keeps the same repeat: the fastest
         if best is None or span.item() < best[0]:
             best = (span.item(), run, _diff([mine_mod], [refs[rank]]),
@@ -176,7 +177,7 @@ def freeze_steps(a: argparse.Namespace, k: int, m: int, repeats: int, rank: int,
         _clear([new_mod])
         inputs = None
         if cache is not None:                    # served from the cache: the prefix runs in the first repeat only
-            inputs = [cache.get(torch.arange(j * mbs, (j + 1) * mbs), xs[i].to(device)) for j, i in enumerate(own)]
+            inputs = [cache.get(torch.arange(j * mbs, (j + 1) * mbs), xs[i].to(device)) for j, i in enumerate(own)]  # host: indices
         dist.barrier()
         r_run = run_stage(new_mod, make_schedule("1f1b", K, m_r), local, new_shapes[local], inputs=inputs,
                           targets=[ys[i] for i in own] if local == K - 1 else None, loss_fn=lm_loss,
@@ -191,7 +192,8 @@ def freeze_steps(a: argparse.Namespace, k: int, m: int, repeats: int, rank: int,
         done = clock.mark()
         rr = _gather({"rank": rank, "start": r_run.start, "end": r_run.end, "done": clock.seconds(done),
                       "busy": r_run.busy, "losses": r_run.losses}, rank, world)
-        span = torch.tensor([0.0 if rr is None else max(r["done"] for r in rr) - min(r["start"] for r in rr)])
+        span = torch.tensor([0.0 if rr is None else max(r["done"] for r in rr) - min(r["start"] for r in rr)],
+                            device=device)
         dist.broadcast(span, 0)
         if best_r is None or span.item() < best_r[0]:
             refs_new = split_sequential(nn.Sequential(*list(reference.as_sequential())[plan.frozen_layers:]), K)
