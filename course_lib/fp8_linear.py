@@ -24,7 +24,8 @@ def scaled_mm(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_sca
                             scale_b=(1.0 / b_scale).reshape(()), out_dtype=torch.float32)
 
 
-def _cast(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+def cast_dynamic(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` in ``fmt`` with its per-tensor dynamic scale, and the scale (what each matmul input goes through)."""
     s = fp8.dynamic_scale(x, fmt)
     return fp8.quantize(x, fmt, s), s
 
@@ -32,15 +33,15 @@ def _cast(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
 class _FP8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # x: (M, K), weight: (N, K)
-        xq, xs = _cast(x, "e4m3")
-        wq, ws = _cast(weight, "e4m3")
+        xq, xs = cast_dynamic(x, "e4m3")
+        wq, ws = cast_dynamic(weight, "e4m3")
         ctx.save_for_backward(xq, xs, wq, ws)  # FP8 copies: 1 byte an element
         return scaled_mm(xq, xs, wq.t(), ws)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         xq, xs, wq, ws = ctx.saved_tensors
-        gq, gs = _cast(grad_out, "e5m2")
+        gq, gs = cast_dynamic(grad_out, "e5m2")
         grad_x = scaled_mm(gq, gs, wq, ws)            # (M, N) @ (N, K)
         grad_w = scaled_mm(gq.t(), gs, xq, xs)        # (N, M) @ (M, K)
         return grad_x, grad_w
