@@ -30,14 +30,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from course_lib import memory
+from course_lib import memory, timing
 from course_lib.distributed import context_parallel as cp
 from course_lib.distributed import launch
 from course_lib.distributed.results import WorkerResult
@@ -243,15 +242,16 @@ def train_task(cfg: RunConfig, device: torch.device, dp: int = 1, zero_stage: in
             update()
             parts.append(part.detach())
 
+        def timed_step(step: int = step) -> None:
+            nonlocal peak
+            if step >= 1:  # measured (Adam's state exists from step 1 on)
+                resident = sum(held().values()) + memory.tensor_bytes(x) + memory.tensor_bytes(y)
+                p = resident + memory.peak_bytes(cp_step, device)
+                peak = p if peak is None else min(peak, p)
+            else:
+                cp_step()
         dist.barrier()
-        t0 = time.perf_counter()
-        if step >= 1:  # measured (Adam's state exists from step 1 on)
-            resident = sum(held().values()) + memory.tensor_bytes(x) + memory.tensor_bytes(y)
-            p = resident + memory.peak_bytes(cp_step, device)
-            peak = p if peak is None else min(peak, p)
-        else:
-            cp_step()
-        seconds.append(time.perf_counter() - t0)
+        seconds.append(timing.time_s(timed_step, device))
         total = parts[0].clone()
         dist.all_reduce(total)
         losses.append(total.item())
@@ -318,13 +318,11 @@ def overlap_task(cfg: RunConfig, device: torch.device, repeats: int = OVERLAP_RE
     messages = {"kv": (torch.stack([k, v]), cp.KV_TAG), "dkv": (torch.zeros((2, *k.shape), device=device), cp.DKV_TAG)}
     for _ in range(repeats if world > 1 else 0):  # one rank has no neighbour to send to
         for name, (tensor, tag) in messages.items():
+            def hop_alone(tensor: torch.Tensor = tensor, name: str = name, tag: int = tag) -> None:
+                hop, _ = ring.pass_on([tensor], f"alone_{name}", tag)
+                hop.wait()  # on a GPU: the stream waits for NCCL's copy, and the end event comes after it
             dist.barrier()
-            t0 = time.perf_counter()
-            hop, _ = ring.pass_on([tensor], f"alone_{name}", tag)
-            hop.wait()
-            if device.type == "cuda":  # NCCL's wait returns before the data is there
-                torch.cuda.synchronize(device)
-            alone[name].append(time.perf_counter() - t0)
+            alone[name].append(timing.time_s(hop_alone, device))
     out: dict = {f"{d}_{kind}": gather_per_rank([sum(getattr(t, kind)) for t in ring.times[d]])
                  for d in ("forward", "backward") for kind in ("compute", "wait")}
     out |= {f"alone_{name}": gather_per_rank(ts) for name, ts in alone.items()}

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib import memory
+from course_lib import memory, timing
 from course_lib.distributed import launch
 from course_lib.models import lm_loss
 from course_lib.workers.zero_common import (RunConfig, build_model, gather_per_rank, local_batch, mean_over_ranks,
@@ -63,29 +62,6 @@ def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
     return out
 
 
-class StepTimer:
-    """Seconds of one step: CUDA events on a GPU (the host's work in between included), a clock on the CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def __enter__(self) -> "StepTimer":
-        if self.cuda:
-            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self.start.record()
-        else:
-            self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.cuda:
-            self.end.record()
-            self.end.synchronize()
-            self.seconds = self.start.elapsed_time(self.end) / 1e3
-        else:
-            self.seconds = time.perf_counter() - self.t0
-
-
 def run_mode(mode: str, cfg: RunConfig, rank: int, world: int, device: torch.device, pin_memory: bool) -> dict:
     """Train ``cfg.steps`` Adam steps with FSDP2, offloaded to the host or not."""
     if mode not in MODES:
@@ -99,14 +75,16 @@ def run_mode(mode: str, cfg: RunConfig, rank: int, world: int, device: torch.dev
         opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)  # on the host's shards when offloaded
         for s in range(cfg.steps):
             x, y = local_batch(cfg, s, rank, world, device)
-            dist.barrier()
-            with StepTimer(device) as timer:
+            holder: list[torch.Tensor] = []
+
+            def step() -> None:
                 opt.zero_grad()
-                loss = lm_loss(model(x), y)
-                loss.backward()
+                holder.append(lm_loss(model(x), y))
+                holder[0].backward()
                 opt.step()
-            times.append(timer.seconds)
-            losses.append(mean_over_ranks(loss.item(), device))
+            dist.barrier()
+            times.append(timing.time_s(step, device))  # CUDA events on a GPU, the host's work in between included
+            losses.append(mean_over_ranks(holder[0].item(), device))
         held.update(state_bytes(model, opt))
 
     if device.type == "cuda":

@@ -11,7 +11,6 @@ ring formulas of ``comm``, as ``comm``'s wrappers do for the hand-written layers
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Iterable
 
 import torch
@@ -243,12 +242,3 @@ def max_over_ranks(value: float, device: torch.device | str = "cpu") -> float:
     return t.item()
 
 
-class Timer:
-    """Seconds between ``start()`` and ``stop()``, after a barrier so every rank starts together."""
-
-    def start(self) -> None:
-        dist.barrier()
-        self.t0 = time.perf_counter()
-
-    def stop(self) -> float:
-        return time.perf_counter() - self.t0

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from course_lib import memory
+from course_lib import memory, timing
 from course_lib.distributed import comm, launch
 from course_lib.distributed.tensor_parallel import (SEQ, TPBlock, TPGroup, copy_to_tp, gather_from_sequence,
                                                     reduce_from_tp, reduce_scatter_to_sequence, sync_replicated_grads)
@@ -40,7 +40,7 @@ from course_lib.distributed.zero import count_fsdp_traffic, held_bytes
 from course_lib.env import seed_everything
 from course_lib.models import lm_loss
 from course_lib.workers import zero_compare
-from course_lib.workers.tp_common import (CountDTensorComm, Timer, block_plan, full_grads, max_over_ranks,
+from course_lib.workers.tp_common import (CountDTensorComm, block_plan, full_grads, max_over_ranks,
                                           original_layout, parallelize, reduce_partial_grads, saved_bytes_in, since,
                                           snapshot, to_head_major)
 from course_lib.workers.tp_results import BlockResult, MeshResult, TPReport
@@ -198,21 +198,24 @@ def run_mesh(cfg: RunConfig, dp: int, tp: int, device, ref: tuple[list[float], d
     if dp > 1:
         count_fsdp_traffic(model, dp_counter)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    dp_rank, timer, losses, times, saved, partial = mesh["dp"].get_local_rank(), Timer(), [], [], 0, 0
+    dp_rank, losses, times, saved, partial = mesh["dp"].get_local_rank(), [], [], 0, 0
     for step in range(cfg.steps):
         x, y = local_batch(cfg, step, dp_rank, dp, device)  # the TP ranks of one dp group read the same rows
         holder: list = []
-        timer.start()
-        with CountDTensorComm(tp_counter, [mesh]):
-            opt.zero_grad()  # here, not after the step: the gradients are part of what a rank holds
-            if step == 0:
-                saved = saved_bytes_in(model.blocks, lambda: holder.append(lm_loss(model(x), y)))
-            else:
-                holder.append(lm_loss(model(x), y))
-            holder[0].backward()
-            partial = reduce_partial_grads(model)  # the LayerNorms' gradients under SP without FSDP
-            opt.step()
-        times.append(timer.stop())
+
+        def one_step(step: int = step) -> None:
+            nonlocal saved, partial
+            with CountDTensorComm(tp_counter, [mesh]):
+                opt.zero_grad()  # here, not after the step: the gradients are part of what a rank holds
+                if step == 0:
+                    saved = saved_bytes_in(model.blocks, lambda: holder.append(lm_loss(model(x), y)))
+                else:
+                    holder.append(lm_loss(model(x), y))
+                holder[0].backward()
+                partial = reduce_partial_grads(model)  # the LayerNorms' gradients under SP without FSDP
+                opt.step()
+        dist.barrier()  # every rank starts the step together
+        times.append(timing.time_s(one_step, device))
         losses.append(mean_over_ranks(holder[0].item(), device))  # TP ranks agree; the mean is over dp
     # a copy: a replicated DTensor's full_tensor() is its local tensor, which the optimizer updates in place
     full = {n: original_layout(n, p.full_tensor() if isinstance(p, DTensor) else p, cfg.n_heads).detach().cpu().clone()
