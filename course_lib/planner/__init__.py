@@ -1,6 +1,6 @@
 """Plan a training configuration for a memory budget (chapter 13, the capstone): measure, predict, search.
 
-For every combination of precision (chapter 05), micro-batch with gradient accumulation (chapters 02-03),
+For every combination of precision (chapters 05 and 06), micro-batch with gradient accumulation (chapters 02-03),
 activation checkpointing (chapter 05), ZeRO stage (chapter 09), tensor-parallel size (chapter 10), pipeline
 stages and their interleaving (chapter 08), context-parallel size (chapter 12), and chapter 11's fused attention,
 chunked loss and activation offload, predict the peak bytes per device and the step time;
@@ -28,12 +28,13 @@ from course_lib.planner.search import (DEFAULT_HEADROOM, MIN_CHUNK_TOKENS, TIMIN
                                        cp_sizes, data_parallel_ranks, layout, plan, segment_options)
 from course_lib.planner.experts import ExpertLayout, plan_experts, predict_experts
 from course_lib.planner.predict import cp_comm_bytes, cp_in_flight_bytes
-from course_lib.planner.step import (LossFn, attention_kernel, autocast, checkpointing, measure_peak, offloading,
-                                     train_step)
+from course_lib.planner.step import (PRECISIONS, LossFn, attention_kernel, autocast, checkpointing, fp8_matmuls,
+                                     measure_peak, offloading, precision, train_step)
 
 __all__ = [
     "Config", "pass_key",
-    "LossFn", "attention_kernel", "autocast", "checkpointing", "measure_peak", "offloading", "train_step",
+    "PRECISIONS", "LossFn", "attention_kernel", "autocast", "checkpointing", "fp8_matmuls", "measure_peak",
+    "offloading", "precision", "train_step",
     "BatchFn", "Layers", "LmHead", "Measurements", "calibrate", "default_batch", "lm_head", "tp_sizes",
     "transformer_layers",
     "DEFAULT_BANDWIDTH", "DEFAULT_HOST_BANDWIDTH", "DEFAULT_TP_BANDWIDTH", "FORWARD_SHARE", "block_saves",

@@ -1,7 +1,7 @@
 """What the planner chooses: a ``Config``, one way to run a training step on each rank (chapter 13, sections 2-3).
 
-Each field is a lever an earlier chapter explains: the precision (chapter 05's bf16 autocast), the micro-batch
-and its accumulation steps (chapters 02-03), the checkpoint segments (chapter 05), the ZeRO stage (chapter 09),
+Each field is a lever an earlier chapter explains: the precision (chapter 05's bf16 autocast, chapter 06's
+FP8), the micro-batch and its accumulation steps (chapters 02-03), the checkpoint segments (chapter 05), the ZeRO stage (chapter 09),
 the tensor-parallel size and sequence parallelism (chapter 10), fused attention, offloading and the loss in
 chunks (chapter 11), the pipeline stages and their interleaving (chapter 08), the context-parallel and
 expert-parallel sizes (chapter 12). ``pass_key`` names the forward/backward pass a configuration runs: ``measure``
@@ -17,7 +17,8 @@ from dataclasses import dataclass
 class Config:
     """One way to run a training step on each rank."""
 
-    precision: str          # "fp32", or "bf16" autocast (weights, gradients, optimizer state stay fp32)
+    precision: str          # "fp32", "bf16" autocast or "fp8" matmuls in the blocks (weights, gradients, optimizer
+                            # state stay fp32)
     micro_batch: int
     accumulation_steps: int
     segments: int           # checkpoint segments over ``model.blocks``; 1 = no checkpointing

@@ -29,7 +29,7 @@ from course_lib.distributed import tp_costs
 from course_lib.distributed.zero import DEFAULT_BUCKET_MB, bucket_sizes
 from course_lib.models import TransformerBlock, lm_loss
 from course_lib.planner.config import pass_key
-from course_lib.planner.step import LossFn, attention_kernel, autocast
+from course_lib.planner.step import LossFn, attention_kernel, autocast, precision
 
 BatchFn = Callable[[int], "tuple[torch.Tensor, torch.Tensor]"]
 
@@ -168,14 +168,14 @@ def _line(x1: float, y1: float, x2: float, y2: float) -> tuple[float, float]:
     return y1 - d * x1, d
 
 
-def _inputs_of(model: nn.Module, modules: list[nn.Module], x: torch.Tensor, precision: str, fused: bool,
+def _inputs_of(model: nn.Module, modules: list[nn.Module], x: torch.Tensor, prec: str, fused: bool,
                device: torch.device) -> list[torch.Tensor]:
     """What each of ``modules`` receives in one forward of ``model`` on ``x``, detached (no graph is kept)."""
     got: dict[int, torch.Tensor] = {}
     hooks = [mod.register_forward_pre_hook(lambda mod, args, i=i: got.update({i: args[0].detach()}))
              for i, mod in enumerate(modules)]
     try:
-        with torch.no_grad(), attention_kernel(model, fused), autocast(precision, device):
+        with torch.no_grad(), attention_kernel(model, fused), precision(model, prec, device):
             model(x)
     finally:
         for h in hooks:
@@ -208,7 +208,7 @@ def calibrate(model: nn.Module, make_batch: BatchFn, loss_fn: LossFn, device: to
             key = pass_key(prec, kernel)
 
             def fwd_bwd(x, y, prec=prec, kernel=kernel):
-                with attention_kernel(model, kernel), autocast(prec, device):
+                with attention_kernel(model, kernel), precision(model, prec, device):
                     loss = loss_fn(model(x), y)
                 loss.backward()
             fwd_bwd(x1, y1)
@@ -220,7 +220,7 @@ def calibrate(model: nn.Module, make_batch: BatchFn, loss_fn: LossFn, device: to
                 if not len(blocks):
                     continue
                 inputs[m] = _inputs_of(model, watched, x, prec, kernel, device)
-                with attention_kernel(model, kernel), autocast(prec, device):
+                with attention_kernel(model, kernel), precision(model, prec, device):
                     # what one block saves, and its output (a segment boundary)
                     points["block"].append(memory.saved_activation_bytes(lambda: blocks[0](inputs[m][0]),
                                                                          blocks[0].parameters()))

@@ -42,6 +42,12 @@ DEFAULT_TP_BANDWIDTH = 450e9
 DEFAULT_HOST_BANDWIDTH = 25e9
 
 
+
+def activation_bytes(precision: str) -> int:
+    """Bytes of an activation between ops: 2 under bf16 autocast; 4 in fp32, and in fp8, whose blocks run in float32
+    but for their matmuls (FP8 copies saved inside them are measured, not derived: an estimate under TP)."""
+    return 2 if precision == "bf16" else 4
+
 def tp_shares(meas: Measurements, config: Config, world_size: int) -> tuple[int, float, float]:
     """(data-parallel ranks, share of the model states, share of one block's parameters) one rank keeps under
     ``config.tp``-way tensor parallelism: ``1/t`` of the split weights and all of the others (chapter 10)."""
@@ -84,7 +90,7 @@ def block_saves(meas: Measurements, config: Config) -> tuple[float, float, float
         return const, per_sample, boundary
     layers, sp = meas.layers, config.sequence_parallel
     kept = tp_costs.saved_fraction_per_rank(layers.seq_len, layers.width, layers.heads, config.tp, sp,
-                                            act_bytes=2 if config.precision == "bf16" else 4, dropout=layers.dropout)
+                                            act_bytes=activation_bytes(config.precision), dropout=layers.dropout)
     return const, per_sample * kept, boundary / (config.tp if sp else 1)
 
 
@@ -181,7 +187,7 @@ def cp_in_flight_bytes(meas: Measurements, config: Config, world_size: int) -> f
         raise ValueError(f"context-parallel size {config.cp} x tensor-parallel {config.tp} does not divide the "
                          f"{world_size} ranks")
     context_parallel.check_layout(layers.seq_len, config.cp)
-    act = 2 if config.precision == "bf16" else 4
+    act = activation_bytes(config.precision)
     return 8 * config.micro_batch * layers.seq_len / config.cp * layers.width * act
 
 
@@ -190,7 +196,7 @@ def cp_comm_bytes(meas: Measurements, config: Config) -> float:
     per block and micro-batch. Not included: the gradients' sum over the ranks, data parallelism's (``comm_bytes``)."""
     if config.cp == 1:
         return 0.0
-    layers, act = meas.layers, 2 if config.precision == "bf16" else 4
+    layers, act = meas.layers, activation_bytes(config.precision)
     per_block = context_parallel.ring_bytes_per_layer(layers.seq_len, config.micro_batch, layers.width, config.cp,
                                                       act_bytes=act)
     return config.accumulation_steps * meas.n_blocks * sum(per_block.values())
@@ -218,7 +224,7 @@ def tp_comm_bytes(meas: Measurements, config: Config) -> float:
     """
     if config.tp == 1:
         return 0.0
-    layers, act = meas.layers, 2 if config.precision == "bf16" else 4
+    layers, act = meas.layers, activation_bytes(config.precision)
     per_block = tp_costs.comm_bytes_per_layer(layers.seq_len, config.micro_batch, layers.width, config.tp,
                                               config.sequence_parallel, regather=False, act_bytes=act)
     return config.accumulation_steps * meas.n_blocks * sum(per_block.values())

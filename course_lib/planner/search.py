@@ -178,19 +178,32 @@ def _largest_fitting(meas: Measurements, shape: Config, per_rank: int, world_siz
 
 
 def default_precisions(device: torch.device) -> tuple[tuple[str, ...], str]:
-    """The precisions ``plan`` searches when it is not told: fp32, and bf16 where the device runs it at speed.
+    """The precisions ``plan`` searches when it is not told: fp32, bf16 where the device runs it at speed, and fp8
+    where it has FP8 tensor cores.
 
-    A CUDA GPU with bf16 support and a CPU with native bf16 get both. A CPU that emulates bf16
-    (``env.bf16_is_slow``) gets fp32 alone: there bf16 is never the faster choice, and timing it would make
-    the calibration take minutes. It could still be the one that fits, so the second value says what was left
-    out and how to search it anyway (empty when nothing was).
+    A CUDA GPU with bf16 support and a CPU with native bf16 get bf16. A CPU that emulates bf16
+    (``env.bf16_is_slow``) does not: there bf16 is never the faster choice, and timing it would make the
+    calibration take minutes. fp8 (chapter 06) is searched on GPUs of compute capability 8.9 and up (L4, H100,
+    H200), where ``_scaled_mm`` runs on FP8 units; a CPU has none (chapter 06 measures it slower than fp32). A
+    precision left out could still be the one that fits, so the second value says what was left out and how to
+    search it anyway (empty when nothing was).
     """
-    if device.type != "cpu":
-        return (("fp32", "bf16") if device.type == "cuda" and torch.cuda.is_bf16_supported() else ("fp32",)), ""
-    if env.bf16_is_slow(device):
-        return ("fp32",), (f" bf16 was not searched: this CPU emulates it ({env.cpu_speed().bf16_over_fp32:.0f}x "
-                           "fp32's matmul time); pass precisions=('fp32', 'bf16') to search it anyway.")
-    return ("fp32", "bf16"), ""
+    no_fp8 = "a CPU has no FP8 units (chapter 06: its FP8 matmul is slower than fp32)"
+    if device.type == "cuda":
+        bf16 = ("bf16",) if torch.cuda.is_bf16_supported() else ()
+        if torch.cuda.get_device_capability(device) >= (8, 9):
+            return ("fp32", *bf16, "fp8"), ""
+        no_fp8 = "this GPU has no FP8 tensor cores (compute capability 8.9 and up)"
+        chosen, note = ("fp32", *bf16), ""
+    elif device.type != "cpu":
+        return ("fp32",), ""
+    elif env.bf16_is_slow(device):
+        chosen, note = ("fp32",), f"this CPU emulates bf16 ({env.cpu_speed().bf16_over_fp32:.0f}x fp32's matmul time); "
+    else:
+        chosen, note = ("fp32", "bf16"), ""
+    left = [p for p in ("bf16", "fp8") if p not in chosen]
+    return chosen, (f" {' and '.join(left)} {'was' if len(left) == 1 else 'were'} not searched: {note}{no_fp8}; "
+                    f"pass precisions=('fp32', 'bf16', 'fp8') to search {'it' if len(left) == 1 else 'them'} anyway.")
 
 
 def plan(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, memory_budget_bytes: int,
@@ -366,10 +379,11 @@ def plan(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, mem
         why.append(unsearched.strip())
     if len(fits) > 1:
         why.append(f"Runner-up: {fits[1].config.describe()}, {fits[1].samples_per_s:.0f} samples/s.")
-    if "bf16" in meas.time and "fp32" in meas.time:
-        t = {p: a + b * meas.timing_micro for p, (a, b) in meas.time.items()}
-        why.append(f"A micro-batch of {meas.timing_micro} took {t['bf16'] / t['fp32']:.2f}x as long in bf16 as in "
-                   "fp32 here.")
+    t = {p: a + b * meas.timing_micro for p, (a, b) in meas.time.items()}
+    for low in ("bf16", "fp8"):
+        if low in t and "fp32" in t:
+            why.append(f"A micro-batch of {meas.timing_micro} took {t[low] / t['fp32']:.2f}x as long in {low} as in "
+                       "fp32 here.")
     if cfg.micro_batch < per_rank and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
         why.append(f"BatchNorm will see micro-batches of {cfg.micro_batch}, not the batch: consider GroupNorm "
                    "(chapter 04).")

@@ -2,14 +2,15 @@
 
 The capstone verifies every plan by running it. Each lever of a ``Config`` is a context manager that changes the
 model in place for the step and restores it after, also after an error: ``autocast`` (chapter 05's bf16),
-``checkpointing`` (chapter 05), ``attention_kernel`` (chapter 11's fused attention) and ``offloading`` (chapter
-11); the micro-batches accumulate (chapter 03), and the loss may run in chunks (chapter 11). ``measure_peak``
-counts what ``predict.predict_peak`` predicts: the states, the batch, and the step's peak above them
-(``memory.peak_bytes``).
+``fp8_matmuls`` (chapter 06's FP8 linear layers), ``checkpointing`` (chapter 05), ``attention_kernel`` (chapter
+11's fused attention) and ``offloading`` (chapter 11); the micro-batches accumulate (chapter 03), and the loss may
+run in chunks (chapter 11). ``measure_peak`` counts what ``predict.predict_peak`` predicts: the states, the batch,
+and the step's peak above them (``memory.peak_bytes``).
 """
 
 from __future__ import annotations
 
+import types
 from contextlib import contextmanager, nullcontext
 from typing import Callable, Iterator
 
@@ -18,17 +19,54 @@ from torch import nn
 
 from course_lib import chunked_loss, memory, offload
 from course_lib.checkpointing import checkpointed_sequential
+from course_lib.fp8_linear import FP8Linear
 from course_lib.models import CausalSelfAttention, lm_loss
 from course_lib.planner.config import Config
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+PRECISIONS = ("fp32", "bf16", "fp8")
+
+
 def autocast(precision: str, device: torch.device | str):
-    """bf16 autocast for ``"bf16"``, nothing for ``"fp32"``."""
-    if precision not in ("fp32", "bf16"):
-        raise ValueError(f"unknown precision {precision!r}: choose 'fp32' or 'bf16'")
+    """bf16 autocast for ``"bf16"``; nothing for ``"fp32"``, nor for ``"fp8"``, whose ops outside the blocks'
+    matmuls run in float32 (``fp8_matmuls`` changes the matmuls)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
     return torch.autocast(torch.device(device).type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
+
+
+@contextmanager
+def fp8_matmuls(model: nn.Module, on: bool = True) -> Iterator[nn.Module]:
+    """Inside the block every ``nn.Linear`` of ``model.blocks`` runs ``FP8Linear``'s forward (chapter 06: e4m3
+    inputs and weights, e5m2 gradients, float32 master weights, FP8 copies saved); restored after. The same
+    parameters and modules: only the matmuls change. The head and the embedding stay float32, as DeepSeek-V3's FP8
+    recipe keeps them in higher precision. ``on=False``: unchanged."""
+    if not on:
+        yield model
+        return
+    blocks = getattr(model, "blocks", None)
+    layers = [m for m in blocks.modules() if type(m) is nn.Linear] if isinstance(blocks, nn.Module) else []
+    if not layers:
+        raise ValueError("fp8 needs a model whose `blocks` hold nn.Linear layers (course_lib.models' transformers)")
+    odd = [f"{m.in_features} -> {m.out_features}" for m in layers if m.in_features % 16 or m.out_features % 16]
+    if odd:
+        raise ValueError(f"fp8: FP8 matmuls need features in multiples of 16; the blocks have {', '.join(odd)}")
+    for m in layers:
+        m.forward = types.MethodType(FP8Linear.forward, m)  # an instance attribute: wins over the class's forward
+    try:
+        yield model
+    finally:
+        for m in layers:
+            del m.forward
+
+
+@contextmanager
+def precision(model: nn.Module, name: str, device: torch.device | str) -> Iterator[nn.Module]:
+    """Both precision levers at once: ``autocast(name)`` and, for ``"fp8"``, ``fp8_matmuls``."""
+    with fp8_matmuls(model, name == "fp8"), autocast(name, device):
+        yield model
 
 
 @contextmanager
@@ -103,8 +141,8 @@ def train_step(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets:
                          "or loss_chunks=1 for another loss")
     optimizer.zero_grad(set_to_none=True)
     total = 0.0
-    with (checkpointing(model, config.segments), attention_kernel(model, config.fused),
-          offloading(model, config.offload)):
+    with (fp8_matmuls(model, config.precision == "fp8"), checkpointing(model, config.segments),
+          attention_kernel(model, config.fused), offloading(model, config.offload)):
         for x, y in zip(inputs.split(config.micro_batch), targets.split(config.micro_batch)):
             with autocast(config.precision, inputs.device):
                 loss = (chunked_loss.transformer_loss(model, x, y, config.loss_chunks) if config.loss_chunks > 1
