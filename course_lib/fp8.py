@@ -63,25 +63,28 @@ def _check_finite(x: torch.Tensor) -> None:
                          "a loss scaler skips such steps (chapter 05)")
 
 
-def amax(x: torch.Tensor) -> torch.Tensor:
-    """The largest magnitude of ``x``, as a 0-d float32 tensor (kept on x's device: no host sync)."""
-    _check_finite(x)
+def amax(x: torch.Tensor, check: bool = True) -> torch.Tensor:
+    """The largest magnitude of ``x``, as a 0-d float32 tensor on x's device. ``check``: first raise a clear error
+    on inf or NaN (reading that answer waits for the device: ``check=False`` in a GPU's hot loop)."""
+    if check:
+        _check_finite(x)
     return x.detach().abs().max().float()
 
 
-def dynamic_scale(x: torch.Tensor, fmt: str, margin: float = 1.0) -> torch.Tensor:
+def dynamic_scale(x: torch.Tensor, fmt: str, margin: float = 1.0, check: bool = True) -> torch.Tensor:
     """The scale that maps ``x``'s amax to ``fmt``'s largest value (divided by ``margin``): ``x * scale`` fits."""
     f = get_format(fmt)
-    a = amax(x)
+    a = amax(x, check)
     # an all-zero tensor: any scale works; 1 keeps it finite
     return torch.where(a > 0, f.max / (a * margin), torch.ones_like(a))
 
 
-def quantize(x: torch.Tensor, fmt: str, scale: torch.Tensor | float = 1.0) -> torch.Tensor:
-    """``x * scale`` cast to ``fmt``, clamped to its range (a cast alone turns e4m3 overflow into NaN)."""
+def quantize(x: torch.Tensor, fmt: str, scale: torch.Tensor | float = 1.0, check: bool = True) -> torch.Tensor:
+    """``x * scale`` cast to ``fmt``, clamped to its range (a cast alone turns e4m3 overflow into NaN). ``check``:
+    first raise a clear error on a scale that is not finite and positive (a host sync, as in ``amax``)."""
     f = get_format(fmt)
     scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
-    if not bool(torch.isfinite(scale).all()) or bool((scale <= 0).any()):
+    if check and (not bool(torch.isfinite(scale).all()) or bool((scale <= 0).any())):
         raise ValueError(f"the scale must be finite and positive, got {scale.flatten()[:4].tolist()}: a scale of "
                          "zero would map every value to 0, and dequantizing divides by it")
     return (x.float() * scale).clamp(-f.max, f.max).to(f.dtype)

@@ -25,9 +25,14 @@ def scaled_mm(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_sca
 
 
 def cast_dynamic(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` in ``fmt`` with its per-tensor dynamic scale, and the scale (what each matmul input goes through)."""
-    s = fp8.dynamic_scale(x, fmt)
-    return fp8.quantize(x, fmt, s), s
+    """``x`` in ``fmt`` with its per-tensor dynamic scale, and the scale (what each matmul input goes through).
+
+    On a CPU the casts check for inf/NaN and a bad scale and say so clearly. On a GPU they do not: each check makes
+    the host wait for the device, five times per layer and step; a NaN there shows in the loss instead (chapter
+    05's loss scaler skips such steps)."""
+    check = x.device.type == "cpu"
+    s = fp8.dynamic_scale(x, fmt, check=check)
+    return fp8.quantize(x, fmt, s, check=check), s
 
 
 class _FP8Matmul(torch.autograd.Function):

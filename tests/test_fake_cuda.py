@@ -52,7 +52,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import (FakeTensor, FakeTensorDeviceMismatchError, FakeTensorMode,
                                             unset_fake_temporarily)
 
-from course_lib import checkpointing, chunked_loss, models, moe, norms, offload
+from course_lib import checkpointing, chunked_loss, fp8_linear, models, moe, norms, offload, planner
 from course_lib.distributed import context_parallel as cp
 from course_lib.distributed import tensor_parallel as tp
 
@@ -140,6 +140,14 @@ def _transformer(fused: bool) -> torch.Tensor:
     model = to_fake_cuda(models.TinyTransformer(32, 16, 2, 2, 8, fused=fused))
     idx = cuda_tokens(32, 2, 8)
     return models.lm_loss(model(idx), idx)
+
+
+def _fp8_transformer() -> torch.Tensor:
+    """The planner's fp8 precision: the blocks' linear layers through chapter 06's FP8 matmuls (no host check)."""
+    model = to_fake_cuda(models.TinyTransformer(32, 16, 2, 2, 8))
+    idx = cuda_tokens(32, 2, 8)
+    with planner.fp8_matmuls(model):
+        return models.lm_loss(model(idx), idx)
 
 
 def _checkpointed_chain() -> torch.Tensor:
@@ -244,6 +252,8 @@ FORWARDS: dict[str, Callable[[], object]] = {
     "mlp": lambda: to_fake_cuda(models.MLP(48, (16,), 10))(cuda_randn(2, 3, 4, 4)),
     "transformer": lambda: _transformer(fused=False),
     "transformer-fused-attention": lambda: _transformer(fused=True),
+    "fp8-linear": lambda: to_fake_cuda(fp8_linear.FP8Linear(32, 48))(cuda_randn(4, 32)),
+    "transformer-fp8-matmuls": _fp8_transformer,
     "checkpointed-chain": _checkpointed_chain,
     "checkpointed-blocks-full": _checkpointed_blocks("full"),
     "checkpointed-blocks-selective": _checkpointed_blocks("selective"),
