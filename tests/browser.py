@@ -35,10 +35,12 @@ class Browser:
         deadline = time.time() + 60
         while True:
             try:
-                targets = requests.get(f"http://127.0.0.1:{self.port}/json", timeout=2).json()
+                targets = requests.get(f"http://127.0.0.1:{self.port}/json", timeout=5).json()
                 self.ws_url = next(t["webSocketDebuggerUrl"] for t in targets if t["type"] == "page")
                 break
-            except (requests.ConnectionError, StopIteration):
+            # not listening yet, or listening but too busy starting to answer (a loaded machine): try again until
+            # the deadline; a half-written answer (ValueError from .json()) likewise
+            except (requests.RequestException, ValueError, StopIteration):
                 if time.time() > deadline or self.proc.poll() is not None:
                     self.close()
                     raise RuntimeError("Chromium did not start")
