@@ -68,14 +68,19 @@ class FP8Linear(nn.Linear):
         return y + self.bias if self.bias is not None else y
 
 
+def check_features(layer: nn.Linear, name: str) -> None:
+    """Raise a clear error unless ``layer``'s features are multiples of 16, which ``_scaled_mm`` needs."""
+    if layer.in_features % 16 or layer.out_features % 16:
+        raise ValueError(f"{name}: {layer.in_features} -> {layer.out_features} features; FP8 matmuls need multiples "
+                         "of 16 (pad the layer, or skip it)")
+
+
 def to_fp8_linears(model: nn.Module, skip: tuple[str, ...] = ()) -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` (but those whose name ends with one in ``skip``) by an
     ``FP8Linear`` with the same weights, in place. ``_scaled_mm`` needs both dimensions multiples of 16."""
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear) and not isinstance(child, FP8Linear) and not name.endswith(skip):
-            if child.in_features % 16 or child.out_features % 16:
-                raise ValueError(f"{name}: {child.in_features} -> {child.out_features} features; FP8 matmuls "
-                                 "need multiples of 16 (pad the layer, or skip it)")
+            check_features(child, name)
             new = FP8Linear(child.in_features, child.out_features, bias=child.bias is not None)
             new.load_state_dict(child.state_dict())
             setattr(model, name, new)

@@ -1,8 +1,8 @@
 """What the planner chooses: a ``Config``, one way to run a training step on each rank (chapter 13, sections 2-3).
 
 Each field is a lever an earlier chapter explains: the precision (chapter 05's bf16 autocast, chapter 06's
-FP8), the micro-batch and its accumulation steps (chapters 02-03), the checkpoint segments (chapter 05), the ZeRO stage (chapter 09),
-the tensor-parallel size and sequence parallelism (chapter 10), fused attention, offloading and the loss in
+FP8), the micro-batch and its accumulation steps (chapters 02-03), the checkpoint segments (chapter 05), the ZeRO
+stage (chapter 09), the tensor-parallel size and sequence parallelism (chapter 10), fused attention, offloading and the loss in
 chunks (chapter 11), the pipeline stages and their interleaving (chapter 08), the context-parallel and
 expert-parallel sizes (chapter 12). ``pass_key`` names the forward/backward pass a configuration runs: ``measure``
 measures one per precision and attention kernel, and ``predict`` reads its lines under that name.

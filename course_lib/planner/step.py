@@ -19,7 +19,7 @@ from torch import nn
 
 from course_lib import chunked_loss, memory, offload
 from course_lib.checkpointing import checkpointed_sequential
-from course_lib.fp8_linear import FP8Linear
+from course_lib.fp8_linear import FP8Linear, check_features
 from course_lib.models import CausalSelfAttention, lm_loss
 from course_lib.planner.config import Config
 
@@ -47,18 +47,18 @@ def fp8_matmuls(model: nn.Module, on: bool = True) -> Iterator[nn.Module]:
         yield model
         return
     blocks = getattr(model, "blocks", None)
-    layers = [m for m in blocks.modules() if type(m) is nn.Linear] if isinstance(blocks, nn.Module) else []
+    layers = {name: m for name, m in blocks.named_modules() if type(m) is nn.Linear} if isinstance(
+        blocks, nn.Module) else {}
     if not layers:
         raise ValueError("fp8 needs a model whose `blocks` hold nn.Linear layers (course_lib.models' transformers)")
-    odd = [f"{m.in_features} -> {m.out_features}" for m in layers if m.in_features % 16 or m.out_features % 16]
-    if odd:
-        raise ValueError(f"fp8: FP8 matmuls need features in multiples of 16; the blocks have {', '.join(odd)}")
-    for m in layers:
+    for name, m in layers.items():
+        check_features(m, f"fp8: blocks.{name}")
+    for m in layers.values():
         m.forward = types.MethodType(FP8Linear.forward, m)  # an instance attribute: wins over the class's forward
     try:
         yield model
     finally:
-        for m in layers:
+        for m in layers.values():
             del m.forward
 
 
