@@ -150,6 +150,14 @@ def _fp8_transformer() -> torch.Tensor:
         return models.lm_loss(model(idx), idx)
 
 
+def _torchao_transformer() -> torch.Tensor:
+    """Chapter 06's model through torchao's Float8Linear, as the notebook runs it at the gpu profile."""
+    from torchao.float8 import convert_to_float8_training
+    model = to_fake_cuda(convert_to_float8_training(models.TinyTransformer(32, 16, 2, 2, 8)))
+    idx = cuda_tokens(32, 2, 8)
+    return models.lm_loss(model(idx), idx)
+
+
 def _checkpointed_chain() -> torch.Tensor:
     blocks = to_fake_cuda(checkpointing.chain(4, 8))
     return checkpointing.checkpointed_sequential(blocks, 2)(cuda_randn(3, 8).requires_grad_())
@@ -254,6 +262,7 @@ FORWARDS: dict[str, Callable[[], object]] = {
     "transformer-fused-attention": lambda: _transformer(fused=True),
     "fp8-linear": lambda: to_fake_cuda(fp8_linear.FP8Linear(32, 48))(cuda_randn(4, 32)),
     "transformer-fp8-matmuls": _fp8_transformer,
+    "transformer-torchao-float8": _torchao_transformer,
     "checkpointed-chain": _checkpointed_chain,
     "checkpointed-blocks-full": _checkpointed_blocks("full"),
     "checkpointed-blocks-selective": _checkpointed_blocks("selective"),
