@@ -26,9 +26,8 @@ from course_lib.distributed import comm, launch
 from course_lib.distributed.comm import ByteCounter
 from course_lib.distributed.expert_parallel import ExpertParallelMoE, expert_dp_groups
 from course_lib.moe import MoEMLP, no_drop_factor
+from course_lib.distributed.results import gather_per_rank, max_over_ranks
 from course_lib.workers.ep_results import EPReport, EPRun
-from course_lib.workers.tp_common import max_over_ranks
-from course_lib.workers.zero_common import gather_per_rank
 
 
 def _diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
@@ -96,20 +95,8 @@ def one_run(args: argparse.Namespace, ep: int, k: int, capacity_factor: float, a
         aux_sent=gather_per_rank(counter.by_op.get("all_reduce", 0.0)))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--layouts", default="", help="comma-separated e x d, e.g. 4x1,2x2 (default: world x 1)")
-    parser.add_argument("--ks", default="1,2")
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--d-model", type=int, default=16)
-    parser.add_argument("--hidden", type=int, default=32)
-    parser.add_argument("--tokens", type=int, default=32, help="tokens per rank")
-    parser.add_argument("--drop-factor", type=float, default=0.0, help="also a run at this capacity factor")
-    parser.add_argument("--api", action="store_true", help="also one run through torch's all_to_all_single")
-    parser.add_argument("--seed", type=int, default=0)
-    launch.add_timeout_arg(parser)
-    args = parser.parse_args()
-    rank, world, _ = launch.init_distributed(args.pg_timeout)
+def run_layouts(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> EPReport:
+    """Every layout of ``args.layouts`` and every k of ``args.ks``; the dropping and torch runs where EP spans the world."""
     torch.set_num_threads(1)
     layouts = [tuple(int(v) for v in s.split("x")) for s in args.layouts.split(",") if s] or [(world, 1)]
     report = EPReport(world=world, n_experts=args.experts, d_model=args.d_model, d_hidden=args.hidden)
@@ -126,8 +113,21 @@ def main() -> None:
                 report.runs.append(one_run(args, ep, k, args.drop_factor, "by_hand", groups))
         if args.api and dp == 1:
             report.runs.append(one_run(args, ep, 2, no_drop_factor(args.experts, 2), "torch", groups))
-    launch.report(report)
-    launch.shutdown()
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--layouts", default="", help="comma-separated e x d, e.g. 4x1,2x2 (default: world x 1)")
+    parser.add_argument("--ks", default="1,2")
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--d-model", type=int, default=16)
+    parser.add_argument("--hidden", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=32, help="tokens per rank")
+    parser.add_argument("--drop-factor", type=float, default=0.0, help="also a run at this capacity factor")
+    parser.add_argument("--api", action="store_true", help="also one run through torch's all_to_all_single")
+    parser.add_argument("--seed", type=int, default=0)
+    launch.serve(parser, run_layouts)
 
 
 if __name__ == "__main__":

@@ -233,12 +233,3 @@ def full_grads(module: nn.Module) -> dict[str, torch.Tensor]:
             full = full[torch.argsort(layer.order).to(full.device)]
         out[name] = full
     return out
-
-
-def max_over_ranks(value: float, device: torch.device | str = "cpu") -> float:
-    """The largest of a scalar over all ranks (uncounted: a check, not training traffic)."""
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-

@@ -1,12 +1,14 @@
 """What one launch of chapter 10's worker ``tp_compare`` reports: dataclasses, sent as dicts and rebuilt here.
 
-The worker reports ``dataclasses.asdict(TPReport(...))``; the notebook and the
-tests rebuild it with ``TPReport.from_dict`` and look runs up by method and size.
+The worker reports a ``TPReport``; the notebook and the tests rebuild it with
+``TPReport.from_dict`` and look runs up by method and size.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
+
+from course_lib.distributed.results import WorkerResult
 
 
 @dataclass
@@ -31,10 +33,6 @@ class BlockResult:
     local_shapes: dict[str, list[int]]
     sync_bytes: float = 0.0           # SP by hand: the replicated gradients' all-reduce
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "BlockResult":
-        return cls(**d)
-
 
 @dataclass
 class MeshResult:
@@ -57,13 +55,9 @@ class MeshResult:
     partial_grads: int = 0              # gradients still partial sums before the optimizer (reduced once)
     lazy_optimizer_calls: dict[str, int] = field(default_factory=dict)  # collectives of a step on partial ones
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "MeshResult":
-        return cls(**d)
-
 
 @dataclass
-class TPReport:
+class TPReport(WorkerResult):
     """Everything one launch of ``tp_compare`` measured."""
 
     world: int
@@ -72,13 +66,6 @@ class TPReport:
     meshes: list[MeshResult]
     ref_saved_bytes: dict[str, int]     # dtype -> what the single-process block saves
     num_params: int = 0
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "TPReport":
-        kw = {f.name: d[f.name] for f in fields(cls) if f.name in d}
-        kw["blocks"] = [BlockResult.from_dict(b) for b in d.get("blocks", [])]
-        kw["meshes"] = [MeshResult.from_dict(m) for m in d.get("meshes", [])]
-        return cls(**kw)
 
     def block(self, method: str, tp: int, dtype: str = "float64") -> BlockResult:
         """The block run of ``method`` at tensor-parallel size ``tp`` in ``dtype``."""

@@ -5,9 +5,8 @@ Every rank builds the same model from the same seed and reads the same global
 batch for a given step (a function of the step number, so a resumed run reads
 exactly what an uninterrupted one would), then keeps its own rows of it.
 
-A worker fills the result dataclasses below and reports ``dataclasses.asdict``
-of a ``WorkerResult``; ``run_workers`` launches it and returns
-``WorkerResult.from_dict`` of what rank 0 reported.
+A worker fills the result dataclasses below and reports a ``WorkerResult``;
+``run_workers`` launches it and returns ``WorkerResult.from_dict`` of what rank 0 reported.
 """
 
 from __future__ import annotations
@@ -17,10 +16,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from course_lib.data import make_tokens
+from course_lib.distributed import results
 from course_lib.env import seed_everything
 from course_lib.models import TinyTransformer
 
@@ -80,16 +79,6 @@ def local_batch(cfg: RunConfig, step: int, rank: int, world: int,
     return x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
 
 
-def mean_over_ranks(value: float, device: torch.device | str = "cpu") -> float:
-    """The mean of a scalar over all ranks (uncounted: a report, not training traffic).
-
-    ``device``: where the backend can reduce (NCCL only reduces CUDA tensors).
-    """
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.item() / dist.get_world_size()
-
-
 def shard_fsdp2(model: TinyTransformer, reshard_after_forward: bool = True,
                 mp_policy: object | None = None, offload_policy: object | None = None) -> TinyTransformer:
     """ZeRO-3 with FSDP2: one ``fully_shard`` per block, for the embedding and the head, then the root.
@@ -117,13 +106,6 @@ def shard_fsdp2(model: TinyTransformer, reshard_after_forward: bool = True,
         fully_shard(part, **kwargs)
     fully_shard(model, **kwargs)
     return model
-
-
-def gather_per_rank(obj: object) -> list:
-    """Every rank's ``obj`` (a small picklable value), in rank order, on every rank."""
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 # ----- results: filled by the workers, read by notebook 09, the tests and the benchmarks ----------
@@ -164,10 +146,6 @@ class CompareResult:
     accumulation: int
     ref_losses: list[float] | None
     methods: dict[str, MethodResult]
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "CompareResult":
-        return cls(**{**d, "methods": {m: MethodResult(**r) for m, r in d["methods"].items()}})
 
 
 @dataclass
@@ -220,7 +198,7 @@ class ReshardResult:
 
 
 @dataclass
-class WorkerResult:
+class WorkerResult(results.WorkerResult):
     """What one launch of ``course_lib.workers.zero_compare`` reports: one entry per task it ran."""
 
     world: int
@@ -231,19 +209,6 @@ class WorkerResult:
     resume: ResumeResult | None = None
     reshard: ReshardResult | None = None
     trace: list[str] = field(default_factory=list)  # rank 0's trace files (task ``trace``: one per rank each)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "WorkerResult":
-        def compare(key: str) -> CompareResult | None:
-            return CompareResult.from_dict(d[key]) if d.get(key) else None
-
-        def plain(kind: type, key: str):
-            return kind(**d[key]) if d.get(key) else None
-
-        return cls(world=d["world"], compare=compare("compare"), exact=compare("exact"),
-                   timeline=[BucketTimeline(**t) for t in d.get("timeline", [])], crash=plain(CrashResult, "crash"),
-                   resume=plain(ResumeResult, "resume"), reshard=plain(ReshardResult, "reshard"),
-                   trace=list(d.get("trace") or []))
 
 
 TASKS = ("compare", "exact", "timeline", "trace", "crash", "resume", "reshard")
