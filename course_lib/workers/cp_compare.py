@@ -43,8 +43,7 @@ from course_lib.distributed.results import WorkerResult, gather_per_rank, max_ab
 from course_lib.distributed.zero import ZeroOptimizer, held_bytes
 from course_lib.env import seed_everything
 from course_lib.models import TransformerBlock, lm_loss
-from course_lib.workers.zero_common import RunConfig, build_model, global_batch, local_batch
-from course_lib.workers.zero_compare import reference
+from course_lib.workers.zero_common import RunConfig, build_model, global_batch, local_batch, reference
 
 TASKS = ("exact", "saved", "train", "api", "overlap")
 OVERLAP_REPEATS = 10  # timed passes per rank: the median of ten steadies a busy machine's noise
@@ -85,30 +84,10 @@ def _gathered(t: torch.Tensor, layout: str, dim: int) -> torch.Tensor:
     return cp.unshard([p.cpu() for p in gather_per_rank(t.detach().cpu())], layout, dim)
 
 
-def cp_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, ring: cp.Ring) -> torch.Tensor:
-    """This rank's share of the mean next-token loss: the sum over its tokens / all tokens of the batch."""
-    local_x, local_y = (cp.shard(t, ring.world, ring.rank, ring.layout) for t in (x, y))
-    return cp_local_loss(model, local_x, local_y, ring, y.numel())
-
-
-def cp_local_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, ring: cp.Ring,
-                  tokens: int) -> torch.Tensor:
-    """``cp_loss`` of this rank's positions ``x``, ``y`` (already sharded) over a batch of ``tokens`` tokens."""
-    logits = cp.model_forward(model, x, ring)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum") / tokens
-
-
-def sum_grads(model: torch.nn.Module) -> None:
-    """Sum every parameter's gradient over the ranks: each rank's tokens gave one term (uncounted here)."""
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad)
-
-
 def _summed_diffs(model: torch.nn.Module, loss: torch.Tensor, one: torch.nn.Module,
                   ref_loss: torch.Tensor) -> tuple[float, float]:
     """The ranks' loss shares and gradients summed, against one process's: (loss difference, gradient difference)."""
-    sum_grads(model)
+    cp.sum_grads(model)
     total = loss.detach().clone()
     dist.all_reduce(total)
     grads = max_abs_diff([p.grad for p in model.parameters()], [r.grad for r in one.parameters()])
@@ -158,13 +137,13 @@ def exact_task(cfg: RunConfig, layout: str, device: torch.device) -> LayoutResul
     ref_loss = lm_loss(one(x), y)
     ref_loss.backward()
     model = build_model(c64, device)
-    loss = cp_loss(model, x.to(device), y.to(device), cp.Ring.of(T, layout))
+    loss = cp.cp_loss(model, x.to(device), y.to(device), cp.Ring.of(T, layout))
     loss.backward()
     loss_diff, grad_diff = _summed_diffs(model, loss, one, ref_loss)
     # bytes per layer, float32
     model32 = build_model(cfg, device)
     ring32 = cp.Ring.of(T, layout)
-    cp_loss(model32, x.to(device), y.to(device), ring32).backward()
+    cp.cp_loss(model32, x.to(device), y.to(device), ring32).backward()
     sent = cp.sent_per_pass(ring32.counter)
     return LayoutResult(layout, attn_out, attn_grad, loss_diff, grad_diff, pairs, scores,
                         blocks, sent["forward"] / cfg.n_layers, sent["backward"] / cfg.n_layers,
@@ -226,7 +205,7 @@ def train_task(cfg: RunConfig, device: torch.device, dp: int = 1, zero_stage: in
             opt.zero_grad(set_to_none=False)
 
         def update() -> None:
-            sum_grads(model)
+            cp.sum_grads(model)
             opt.step()
 
         def held() -> dict[str, int]:  # the states this rank holds, as chapter 01 counts them
@@ -240,7 +219,7 @@ def train_task(cfg: RunConfig, device: torch.device, dp: int = 1, zero_stage: in
         parts: list[torch.Tensor] = []
 
         def cp_step() -> None:
-            part = cp_local_loss(model, x, y, ring, cfg.batch * cfg.seq_len)
+            part = cp.cp_local_loss(model, x, y, ring, cfg.batch * cfg.seq_len)
             (part * scale).backward()
             update()
             parts.append(part.detach())

@@ -18,6 +18,7 @@ layouts with EP over the whole world, ``world x 1``).
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -25,9 +26,63 @@ import torch.distributed as dist
 from course_lib.distributed import comm, launch
 from course_lib.distributed.comm import ByteCounter
 from course_lib.distributed.expert_parallel import ExpertParallelMoE, expert_dp_groups
+from course_lib.distributed.results import WorkerResult, gather_per_rank, max_over_ranks
 from course_lib.moe import MoEMLP, no_drop_factor
-from course_lib.distributed.results import gather_per_rank, max_over_ranks
-from course_lib.workers.ep_results import EPReport, EPRun
+
+
+# ----- what one launch reports: the notebook and the tests rebuild it with EPReport.from_dict -----
+
+
+@dataclass
+class EPRun:
+    """One MoE layer on an ``ep x dp`` layout of the ranks, against the one-process layer.
+
+    Differences are the largest over ranks (float64); lists hold one entry per
+    rank. ``sent`` is what each rank's all-to-alls sent to other ranks in one
+    forward and backward; ``off_rank_rows``: ``[dispatched, received]`` rows
+    that crossed ranks in the forward.
+    """
+
+    ep: int
+    dp: int
+    k: int
+    a2a: str                      # "by_hand" (counted) or "torch" (torch.distributed.nn)
+    capacity_factor: float
+    tokens_per_rank: int
+    row_bytes: int
+    out_diff: float
+    input_grad_diff: float
+    router_grad_diff: float
+    expert_grad_diff: float
+    drop_rate: list[float]
+    sent: list[float]
+    sent_counts: list[float]
+    off_rank_rows: list[list[int]]
+    send_rows: list[int]
+    recv_rows: list[int]
+    capacity: list[int]
+    params: list[dict[str, int]]
+    grad_sync: list[dict[str, float]]  # per rank: bytes all-reduced for the router (world) and experts (dp group)
+    aux_diff: float = float("nan")     # |EP layer's aux_loss - one process's| when EP spans the world (dp = 1)
+    aux_sent: list[float] = field(default_factory=list)  # per rank: bytes of the aux loss's all-reduce (by hand)
+
+
+@dataclass
+class EPReport(WorkerResult):
+    world: int
+    n_experts: int
+    d_model: int
+    d_hidden: int
+    runs: list[EPRun] = field(default_factory=list)
+
+    def run(self, ep: int, dp: int, k: int, a2a: str = "by_hand", dropping: bool = False) -> EPRun:
+        """The run of that layout, ``k`` and all-to-all; ``dropping``: the one at a capacity that drops."""
+        for r in self.runs:
+            drops = r.capacity_factor < no_drop_factor(self.n_experts, k)
+            if (r.ep, r.dp, r.k, r.a2a) == (ep, dp, k, a2a) and drops == dropping:
+                return r
+        raise KeyError(f"no run ep={ep} dp={dp} k={k} a2a={a2a} dropping={dropping}; the launch ran "
+                       f"{[(r.ep, r.dp, r.k, r.a2a, r.capacity_factor) for r in self.runs]}")
 
 
 def _diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:

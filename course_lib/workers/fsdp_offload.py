@@ -30,14 +30,15 @@ from torch import nn
 from course_lib import memory, timing
 from course_lib.distributed import launch
 from course_lib.distributed.results import gather_per_rank, mean_over_ranks
+from course_lib.distributed.zero import shard_fsdp2
 from course_lib.models import lm_loss
-from course_lib.workers.zero_common import RunConfig, build_model, local_batch, shard_fsdp2
+from course_lib.workers.zero_common import RunConfig, build_model, local_batch
 
 MODES = ("none", "cpu")
 
 
 def shard(model: nn.Module, offload: bool, pin_memory: bool) -> nn.Module:
-    """``zero_common.shard_fsdp2`` (chapter 09's ZeRO-3), its shards on the host when ``offload``."""
+    """``zero.shard_fsdp2`` (chapter 09's ZeRO-3), its shards on the host when ``offload``."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     return shard_fsdp2(model, offload_policy=CPUOffloadPolicy(pin_memory=pin_memory) if offload else None)

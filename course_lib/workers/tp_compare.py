@@ -27,6 +27,7 @@ import copy
 import dataclasses
 import logging
 import statistics
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -34,17 +35,91 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from course_lib import memory, timing
 from course_lib.distributed import comm, launch
-from course_lib.distributed.results import gather_per_rank, max_abs_diff, max_over_ranks, mean_over_ranks
-from course_lib.distributed.tensor_parallel import (SEQ, TPBlock, TPGroup, copy_to_tp, gather_from_sequence,
+from course_lib.distributed.results import (WorkerResult, gather_per_rank, max_abs_diff, max_over_ranks,
+                                            mean_over_ranks)
+from course_lib.distributed.tensor_parallel import (SEQ, TPBlock, TPGroup, copy_to_tp, full_grads, gather_from_sequence,
                                                     reduce_from_tp, reduce_scatter_to_sequence, sync_replicated_grads)
+from course_lib.distributed.tp_api import (CountDTensorComm, block_plan, original_layout, parallelize,
+                                          reduce_partial_grads, saved_bytes_in, since, snapshot, to_head_major)
 from course_lib.distributed.zero import count_fsdp_traffic, held_bytes
 from course_lib.env import seed_everything
 from course_lib.models import lm_loss
-from course_lib.workers import zero_compare
-from course_lib.workers.tp_common import (CountDTensorComm, block_plan, full_grads, original_layout, parallelize,
-                                          reduce_partial_grads, saved_bytes_in, since, snapshot, to_head_major)
-from course_lib.workers.tp_results import BlockResult, MeshResult, TPReport
-from course_lib.workers.zero_common import RunConfig, build_model, local_batch
+from course_lib.workers.zero_common import RunConfig, build_model, local_batch, reference
+
+# ----- what one launch reports: the notebook and the tests rebuild it with TPReport.from_dict -----
+
+
+@dataclass
+class BlockResult:
+    """One transformer block split over ``tp`` ranks (by hand or by the API), against the single-process block.
+
+    Differences are the largest over ranks; bytes and calls are rank 0's, per
+    block and micro-batch; ``saved_bytes`` is every rank's (forward of the block).
+    """
+
+    method: str                       # "tp", "sp", "sp_regather" (by hand), "api_tp", "api_sp", "api_sp_local"
+    tp: int
+    dtype: str
+    out_diff: float
+    input_grad_diff: float
+    param_grad_diff: float
+    sent_forward: dict[str, float]
+    sent_backward: dict[str, float]
+    calls_forward: dict[str, int]
+    calls_backward: dict[str, int]
+    saved_bytes: list[int]
+    local_shapes: dict[str, list[int]]
+    sync_bytes: float = 0.0           # SP by hand: the replicated gradients' all-reduce
+
+
+@dataclass
+class MeshResult:
+    """A few Adam steps of the tiny transformer on a (dp, tp) mesh, against single-process Adam."""
+
+    dp: int
+    tp: int
+    sequence_parallel: bool
+    dtype: str
+    losses: list[float]
+    max_loss_diff: float
+    max_param_diff: float
+    held: list[dict[str, int]]          # per rank: params, grads, optimizer bytes
+    saved_bytes: list[int]              # per rank: what the blocks save in one forward
+    tp_sent_per_step: dict[str, float]  # rank 0, by collective: DTensor's (TP) collectives
+    dp_sent_per_step: dict[str, float]  # rank 0, by collective: FSDP2's
+    tp_calls_per_step: dict[str, float]
+    step_s: float
+    param_placements: dict[str, str] = field(default_factory=dict)
+    partial_grads: int = 0              # gradients still partial sums before the optimizer (reduced once)
+    lazy_optimizer_calls: dict[str, int] = field(default_factory=dict)  # collectives of a step on partial ones
+
+
+@dataclass
+class TPReport(WorkerResult):
+    """Everything one launch of ``tp_compare`` measured."""
+
+    world: int
+    ops: dict
+    blocks: list[BlockResult]
+    meshes: list[MeshResult]
+    ref_saved_bytes: dict[str, int]     # dtype -> what the single-process block saves
+    num_params: int = 0
+
+    def block(self, method: str, tp: int, dtype: str = "float64") -> BlockResult:
+        """The block run of ``method`` at tensor-parallel size ``tp`` in ``dtype``."""
+        for b in self.blocks:
+            if (b.method, b.tp, b.dtype) == (method, tp, dtype):
+                return b
+        raise KeyError(f"no block run {method!r} at tp={tp} in {dtype}; have "
+                       f"{sorted({(b.method, b.tp, b.dtype) for b in self.blocks})}")
+
+    def mesh(self, dp: int, tp: int, dtype: str = "float32") -> MeshResult:
+        """The training run on a ``dp`` x ``tp`` mesh in ``dtype``."""
+        for m in self.meshes:
+            if (m.dp, m.tp, m.dtype) == (dp, tp, dtype):
+                return m
+        raise KeyError(f"no mesh run {dp}x{tp} in {dtype}; have {[(m.dp, m.tp, m.dtype) for m in self.meshes]}")
+
 
 BYHAND = {"tp": (False, False), "sp": (True, False), "sp_regather": (True, True)}  # (sequence parallel, regather)
 
@@ -52,27 +127,29 @@ BYHAND = {"tp": (False, False), "sp": (True, False), "sp_regather": (True, True)
 def ops_check(device: torch.device) -> dict:
     """f, g and the sequence pair on tensors whose sums are known: rank r holds the value r + 1."""
     tp, world, rank = TPGroup(), dist.get_world_size(), dist.get_rank()
-    total = world * (world + 1) / 2  # 1 + 2 + ... + world
+
+    def ends(y: torch.Tensor, g: torch.Tensor) -> dict:
+        return {"forward": y[0, 0, 0].item(), "backward": g[0, 0, 0].item()}
+
+    checks = {  # name: (operator, the gradient sent back, what to read from its output and the input's gradient)
+        "f": (copy_to_tp, rank + 1.0, ends),
+        "g": (reduce_from_tp, rank + 1.0, ends),
+        # (2, world * world, 3): the rank's value in its own rows
+        "gather_seq": (gather_from_sequence, 1.0, lambda y, g: {
+            "shape": list(y.shape), "rows_of_rank": [y[0, r * world, 0].item() for r in range(world)],
+            "backward": g[0, 0, 0].item()}),
+        # (2, 1, 3): the sum, this rank's row
+        "reduce_scatter_seq": (reduce_scatter_to_sequence, rank + 1.0, lambda y, g: {
+            "shape": list(y.shape), "forward": y[0, 0, 0].item(),
+            "backward_rows": [g[0, r, 0].item() for r in range(world)]}),
+    }
     out = {}
-    x = torch.full((2, world, 3), rank + 1.0, device=device, requires_grad=True)
-    y = copy_to_tp(x, tp)
-    y.backward(torch.full_like(y, rank + 1.0))
-    out["f"] = {"forward": y[0, 0, 0].item(), "backward": x.grad[0, 0, 0].item()}
-    x.grad = None
-    y = reduce_from_tp(x, tp)
-    y.backward(torch.full_like(y, rank + 1.0))
-    out["g"] = {"forward": y[0, 0, 0].item(), "backward": x.grad[0, 0, 0].item()}
-    x.grad = None
-    y = gather_from_sequence(x, tp)  # (2, world * world, 3): the rank's value in its own rows
-    y.backward(torch.ones_like(y))
-    out["gather_seq"] = {"shape": list(y.shape), "rows_of_rank": [y[0, r * world, 0].item() for r in range(world)],
-                         "backward": x.grad[0, 0, 0].item()}
-    x.grad = None
-    y = reduce_scatter_to_sequence(x, tp)  # (2, 1, 3): the sum, this rank's row
-    y.backward(torch.full_like(y, rank + 1.0))
-    out["reduce_scatter_seq"] = {"shape": list(y.shape), "forward": y[0, 0, 0].item(),
-                                 "backward_rows": [x.grad[0, r, 0].item() for r in range(world)]}
-    out["sum_of_values"] = total
+    for name, (op, grad, read) in checks.items():
+        x = torch.full((2, world, 3), rank + 1.0, device=device, requires_grad=True)
+        y = op(x, tp)
+        y.backward(torch.full_like(y, grad))
+        out[name] = read(y, x.grad)
+    out["sum_of_values"] = world * (world + 1) / 2  # 1 + 2 + ... + world
     return out
 
 
@@ -179,7 +256,7 @@ def blocks_task(cfg: RunConfig, with_api: bool, device) -> tuple[list[BlockResul
 
 def reference_training(cfg: RunConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process Adam on the whole batch (chapter 09's reference): losses and final parameters by name."""
-    losses, params = zero_compare.reference(cfg)
+    losses, params = reference(cfg)
     return losses, dict(zip((n for n, _ in build_model(cfg).named_parameters()), params))
 
 

@@ -1,5 +1,4 @@
-"""What the chapter-09 workers share: the run's configuration, the model, the data, FSDP2 sharding,
-and the typed results the workers report and the parent side (notebook 09, tests, benchmarks) reads back.
+"""What the chapter-09 workers share: the run's configuration, the model, the data, and the typed results the workers report and the parent side (notebook 09, tests, benchmarks) reads back.
 
 Every rank builds the same model from the same seed and reads the same global
 batch for a given step (a function of the step number, so a resumed run reads
@@ -16,12 +15,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from course_lib.data import make_tokens
 from course_lib.distributed import results
 from course_lib.env import seed_everything
-from course_lib.models import TinyTransformer
+from course_lib.models import TinyTransformer, lm_loss
 
 
 @dataclass
@@ -79,33 +77,19 @@ def local_batch(cfg: RunConfig, step: int, rank: int, world: int,
     return x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
 
 
-def shard_fsdp2(model: TinyTransformer, reshard_after_forward: bool = True,
-                mp_policy: object | None = None, offload_policy: object | None = None) -> TinyTransformer:
-    """ZeRO-3 with FSDP2: one ``fully_shard`` per block, for the embedding and the head, then the root.
-
-    Order matters: inner modules first, so each gets its own all-gather group
-    and the root only collects what is left (here nothing). Passing
-    ``reshard_after_forward`` to the root as well overrides FSDP2's heuristic
-    of keeping the root's parameters between forward and backward, so every
-    parameter is gathered twice per step, as in the paper's stage 3.
-    ``mp_policy``: a ``MixedPrecisionPolicy``; ``offload_policy``: an
-    ``OffloadPolicy`` (``CPUOffloadPolicy()`` keeps the shards on the host,
-    chapter 11), the same for every part.
-    """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-    kwargs: dict = {"reshard_after_forward": reshard_after_forward}
-    for name, policy, kind in (("mp_policy", mp_policy, MixedPrecisionPolicy),
-                               ("offload_policy", offload_policy, OffloadPolicy)):
-        if policy is not None:
-            if not isinstance(policy, kind):
-                raise ValueError(f"{name} must be a {kind.__name__}, got {type(policy).__name__}")
-            kwargs[name] = policy
-    parts: list[nn.Module] = [model.embed, *model.blocks, model.head]
-    for part in parts:
-        fully_shard(part, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
+def reference(cfg: RunConfig) -> tuple[list[float], list[torch.Tensor]]:
+    """Single-process Adam on the whole batch: losses and final parameters (what every method must equal)."""
+    model = build_model(cfg)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    losses = []
+    for step in range(cfg.steps):
+        x, y = global_batch(cfg, step)
+        opt.zero_grad()
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for p in model.parameters()]
 
 
 # ----- results: filled by the workers, read by notebook 09, the tests and the benchmarks ----------

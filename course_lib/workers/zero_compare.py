@@ -51,7 +51,7 @@ import contextlib
 import dataclasses
 import functools
 import statistics
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -61,12 +61,13 @@ from course_lib import memory
 from course_lib.distributed import comm, launch
 from course_lib.distributed.ddp import counting_allreduce_hook
 from course_lib.distributed.results import gather_per_rank, max_abs_diff, mean_over_ranks
-from course_lib.distributed.zero import ZeroOptimizer, count_fsdp_traffic, held_bytes
+from course_lib.distributed.zero import (ZeroOptimizer, count_broadcasts, count_fsdp_traffic, held_bytes,
+                                         shard_fsdp2)
 from course_lib.models import lm_loss
 from course_lib.timing import time_s
 from course_lib.workers.step_trace import trace_zero
 from course_lib.workers.zero_common import (TASKS, BucketTimeline, CompareResult, MethodResult, RunConfig,
-                                            WorkerResult, build_model, global_batch, local_batch, shard_fsdp2)
+                                            WorkerResult, build_model, local_batch, reference)
 
 # zero2_sync: ZeroOptimizer stage 2 waiting for each reduce-scatter at once (max_in_flight=0), to price the overlap
 METHODS = ("ddp", "zero1", "zero2", "zero_redundancy", "fsdp2", "fsdp2_keep", "fsdp2_bf16", "zero2_sync")
@@ -79,37 +80,6 @@ EXACT_METHODS = ("ddp", "zero1", "zero2", "zero_redundancy", "fsdp2")  # fp32 on
 # asynchronous collectives also free their buffers when gloo's thread gets to them: the lowest of up to four
 # measured steps is the one where they were freed in time.
 MEASURED_STEPS = (2, 3, 4, 5)
-
-
-def reference(cfg: RunConfig) -> tuple[list[float], list[torch.Tensor]]:
-    """Single-process Adam on the whole batch: losses and final parameters (what every method must equal)."""
-    model = build_model(cfg)
-    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    losses = []
-    for step in range(cfg.steps):
-        x, y = global_batch(cfg, step)
-        opt.zero_grad()
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, [p.detach().clone() for p in model.parameters()]
-
-
-@contextlib.contextmanager
-def count_broadcasts(counter: comm.ByteCounter) -> Iterator[None]:
-    """Count every ``dist.broadcast`` made inside the block (ZeroRedundancyOptimizer's parameter sync)."""
-    original = dist.broadcast
-
-    def counted(tensor, src, *args, **kwargs):
-        counter.add("broadcast", comm.ring_factor("broadcast", dist.get_world_size()) * comm.nbytes(tensor))
-        return original(tensor, src, *args, **kwargs)
-
-    dist.broadcast = counted
-    try:
-        yield
-    finally:
-        dist.broadcast = original
 
 
 def forward_backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, micro_batches: int,
