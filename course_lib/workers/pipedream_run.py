@@ -29,7 +29,7 @@ from course_lib.distributed import launch
 from course_lib.distributed.clock import CpuClock
 from course_lib.distributed.pipedream import WeightStash, async_order
 from course_lib.distributed.pipeline import make_schedule
-from course_lib.distributed.pipeline_exec import StageRun, boundary_shapes, measured_bubble, run_stage, split_sequential
+from course_lib.distributed.pipeline_exec import StageRun, boundary_shapes, run_stage, split_sequential, timeline
 from course_lib.distributed.results import WorkerResult, gather_on_first
 from course_lib.models import lm_loss
 from course_lib.workers.pipeline_freeze_run import micro_batches, tiny_model
@@ -143,16 +143,13 @@ def timed_runs(a: argparse.Namespace, rank: int, world: int, padded: bool = True
         mine = StageRun(rank, runs[0].start, runs[-1].end,
                         busy=[(op, i + (k * a.flush_m if kind == "flush" else 0), b, e)
                               for k, r in enumerate(runs) for op, i, b, e in r.busy])
-        got = gather_on_first({"start": mine.start, "end": mine.end, "busy": mine.busy,
+        got = gather_on_first({"rank": rank, "start": mine.start, "end": mine.end, "busy": mine.busy,
                                "inflight": max(r.peak_inflight for r in runs),
                                "sent": sum(r.sent_messages for r in runs), "overruns": sum(r.overruns for r in runs)})
         if rank == 0:
-            stages = [StageRun(s, g["start"], g["end"], busy=g["busy"]) for s, g in enumerate(got)]
-            meas = measured_bubble(stages)
-            t0 = min(s.start for s in stages)
+            meas, ops = timeline(got)
             out.append(TimedRun(kind, meas["makespan"], meas["bubble_fraction"], [g["inflight"] for g in got],
-                                sum(g["sent"] for g in got), sum(g["overruns"] for g in got),
-                                [(s.rank, op, i, b - t0, e - t0) for s in stages for op, i, b, e in s.busy]))
+                                sum(g["sent"] for g in got), sum(g["overruns"] for g in got), ops))
     return out if rank == 0 else None
 
 

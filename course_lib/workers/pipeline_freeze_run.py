@@ -31,8 +31,7 @@ from course_lib.data import make_tokens
 from course_lib.distributed import launch
 from course_lib.distributed.clock import Clock, clock_for
 from course_lib.distributed.pipeline import make_schedule, simulate
-from course_lib.distributed.pipeline_exec import (StageRun, boundary_shapes, measured_bubble, run_stage,
-                                                  split_sequential)
+from course_lib.distributed.pipeline_exec import StageRun, boundary_shapes, run_stage, split_sequential, timeline
 from course_lib.distributed.pipeline_freeze import ActivationCache, freeze, frozen_schedule, repack
 from course_lib.distributed.results import WorkerResult, gather_on_first
 from course_lib.env import seed_everything
@@ -102,7 +101,9 @@ def _clear(mods: list[nn.Module]) -> None:
             p.grad = None
 
 
-def _diff(mods: list[nn.Module], refs: list[nn.Module]) -> float:
+def grad_diff(mods: list[nn.Module], refs: list[nn.Module]) -> float:
+    """The largest gradient difference of pipeline stages ``mods`` from the sequential model's ``refs`` (frozen
+    parameters, with no reference gradient, left out)."""
     return max([(p.grad.cpu() - r.grad).abs().max().item() for mod, ref in zip(mods, refs)
                 for p, r in zip(mod.parameters(), ref.parameters()) if r.grad is not None], default=0.0)
 
@@ -146,7 +147,7 @@ def freeze_steps(a: argparse.Namespace, k: int, m: int, repeats: int, rank: int,
                             device=device)  # broadcast: on the group's device (NCCL needs CUDA)
         dist.broadcast(span, 0)                  # every rank keeps the same repeat: the fastest
         if best is None or span.item() < best[0]:
-            best = (span.item(), run, _diff([mine_mod], [refs[rank]]),
+            best = (span.item(), run, grad_diff([mine_mod], [refs[rank]]),
                     all(p.grad is None for p in mine_mod.parameters()))
     _, run, gdiff, no_grads = best
     mine = {"rank": rank, "start": run.start, "end": run.end, "busy": run.busy, "ops": counted_ops,
@@ -199,7 +200,7 @@ def freeze_steps(a: argparse.Namespace, k: int, m: int, repeats: int, rank: int,
         dist.broadcast(span, 0)
         if best_r is None or span.item() < best_r[0]:
             refs_new = split_sequential(nn.Sequential(*list(reference.as_sequential())[plan.frozen_layers:]), K)
-            best_r = (span.item(), r_run, done, _diff([new_mod], [refs_new[local]]))
+            best_r = (span.item(), r_run, done, grad_diff([new_mod], [refs_new[local]]))
     _, r_run, done, rdiff = best_r
     mine = {"rank": rank, "start": r_run.start, "end": r_run.end, "done": clock.seconds(done), "busy": r_run.busy,
             "diff": rdiff, "losses": r_run.losses, "bytes": r_run.peak_activation_bytes,
@@ -207,13 +208,11 @@ def freeze_steps(a: argparse.Namespace, k: int, m: int, repeats: int, rank: int,
     repacked = gather_on_first(mine)
     if rank != 0:
         return None
-    t0 = min(r["start"] for r in frozen_runs)
-    meas = measured_bubble([StageRun(r["rank"], r["start"], r["end"], busy=r["busy"]) for r in frozen_runs])
+    meas, ops = timeline(frozen_runs)
     sim = simulate(frozen_schedule("1f1b", world, m, k), t_f or 1.0, t_b or 2.0)
     last = frozen_runs[-1]
     reps = [repacked[r * K:(r + 1) * K] for r in range(R)]
-    r_meas = [measured_bubble([StageRun(q["rank"], q["start"], q["end"], busy=q["busy"]) for q in rep])
-              for rep in reps]
+    r_meas = [timeline(rep)[0] for rep in reps]
     r_sim = simulate(make_schedule("1f1b", K, m_r), (t_f or 1.0) * scale, (t_b or 2.0) * scale)
     r0 = min(q["start"] for q in repacked)
     caches = [q["cache"] for q in repacked if q["cache"] is not None]
@@ -228,7 +227,7 @@ def freeze_steps(a: argparse.Namespace, k: int, m: int, repeats: int, rank: int,
         grad_max_abs_diff=max(r["diff"] for r in frozen_runs if r["rank"] >= k),
         frozen_grads_none=all(r["none"] for r in frozen_runs if r["rank"] < k),
         loss=sum(last["losses"]) / len(last["losses"]), overruns=sum(r["overruns"] for r in frozen_runs),
-        timings=[(r["rank"], op, i, b - t0, e - t0) for r in frozen_runs for op, i, b, e in r["busy"]],
+        timings=ops,
         stages=K, replicas=R, layers_per_stage=plan.layers_per_stage,
         repacked_makespan_s=max(q["done"] for q in repacked) - r0,
         repacked_pipeline_s=max(q["end"] for q in repacked) - r0,
@@ -238,7 +237,7 @@ def freeze_steps(a: argparse.Namespace, k: int, m: int, repeats: int, rank: int,
         repacked_grad_max_abs_diff=max(q["diff"] for q in repacked), repacked_loss=sum(losses) / len(losses),
         repacked_peak_activation_bytes=[q["bytes"] for q in repacked], allreduce_bytes=flat_bytes,
         cache_bytes=caches[0][0], cache_samples=caches[0][1], cache_computed=caches[0][2], cache_hits=caches[0][3],
-        repacked_timings=[(q["rank"], op, i, b - r0, e - r0) for q in repacked for op, i, b, e in q["busy"]])
+        repacked_timings=timeline(repacked)[1])
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:

@@ -34,10 +34,11 @@ from course_lib.distributed import launch
 from course_lib.distributed.clock import Clock, clock_for
 from course_lib.distributed.results import WorkerResult, gather_on_first
 from course_lib.distributed.pipeline import KINDS, bubble_formula, make_schedule, simulate, zb_h1_bubble_formula
-from course_lib.distributed.pipeline_exec import (StageRun, boundary_shapes, measured_bubble, peak_sends_held,
-                                                  run_stage, split_sequential)
+from course_lib.distributed.pipeline_exec import (boundary_shapes, peak_sends_held, run_stage, split_sequential,
+                                                  timeline)
 from course_lib.models import lm_loss
-from course_lib.workers.pipeline_freeze_run import FreezeRun, add_model_args, freeze_steps, micro_batches, tiny_model
+from course_lib.workers.pipeline_freeze_run import (FreezeRun, add_model_args, freeze_steps, grad_diff, micro_batches,
+                                                    tiny_model)
 
 
 def _ints(text: str) -> list[int]:
@@ -60,12 +61,6 @@ def build(a: argparse.Namespace, world: int, m: int, v: int = 1):
     logits = reference(x)
     lm_loss(logits, y).backward()                  # mean over every token of the whole batch
     return model, reference, x, y, logits.detach()
-
-
-def _max_grad_diff(stages: list, refs: list) -> float:
-    diffs = [(p.grad - r.grad).abs().max().item() for s, r_ in zip(stages, refs)
-             for p, r in zip(s.parameters(), r_.parameters())]
-    return max(diffs, default=0.0)
 
 
 def _my_chunks(pieces: list, rank: int, world: int, v: int) -> list:
@@ -158,15 +153,14 @@ def handmade_step(a: argparse.Namespace, kind: str, m: int, rank: int, world: in
             "peak_inflight": run.peak_inflight, "peak_activation_bytes": run.peak_activation_bytes,
             "peak_sends_held": run.peak_sends_held, "sent_messages": run.sent_messages,
             "sent_bytes": run.sent_bytes, "overruns": run.overruns,
-            "grad_max_abs_diff": _max_grad_diff([c.cpu() for c in mine_], refs), "op_counts": run.op_counts}
+            "grad_max_abs_diff": grad_diff(mine_, refs), "op_counts": run.op_counts}
     if run.outputs:                                # the last stage compares the model's outputs
         mine["output_max_abs_diff"] = (torch.cat(run.outputs) - ref_logits).abs().max().item()
     runs = gather_on_first(mine)
     if runs is None:
         return None
 
-    meas = measured_bubble([StageRun(r["rank"], r["start"], r["end"], busy=r["busy"]) for r in runs])
-    t0 = min(r["start"] for r in runs)
+    meas, ops = timeline(runs)
     sim = simulate(schedule, a.t_forward_ms or 1.0, a.t_backward_ms or 2.0)
     formula = (zb_h1_bubble_formula(world, m, a.t_forward_ms or 1.0, a.t_backward_ms or 2.0) if kind == "zb-h1"
                else bubble_formula(world, m, v))
@@ -183,8 +177,7 @@ def handmade_step(a: argparse.Namespace, kind: str, m: int, rank: int, world: in
         grad_max_abs_diff=max(r["grad_max_abs_diff"] for r in runs),
         output_max_abs_diff=runs[-1]["output_max_abs_diff"],
         # (stage, op, micro-batch, start, end, chunk) in seconds from the common start, for plots.gantt
-        timings=[(r["rank"], op, i, b - t0, e - t0, c) for r in runs
-                 for (op, i, b, e), c in zip(r["busy"], r["chunks"])],
+        timings=[(*t, c) for t, c in zip(ops, (c for r in runs for c in r["chunks"]))],
         op_counts=[(r["rank"], op, i, c, n) for r in runs
                    for (op, i, *_), c, n in zip(r["busy"], r["chunks"], r["op_counts"])])
 
@@ -218,7 +211,7 @@ def torch_api_step(a: argparse.Namespace, kind: str, m: int, rank: int, world: i
     if losses:
         mine["output_max_abs_diff"] = (out.detach().cpu() - ref_logits).abs().max().item()
         mine["loss"] = torch.stack(losses).mean().item()
-    mine["grad_max_abs_diff"] = _max_grad_diff([mod.cpu() for mod in mods], refs)
+    mine["grad_max_abs_diff"] = grad_diff(mods, refs)
     gathered = gather_on_first(mine)
     if gathered is None:
         return None
