@@ -26,7 +26,7 @@ from course_lib.distributed.expert_parallel import (ExpertParallelMoE, bytes_per
                                                     expert_dp_groups, experts_per_rank, params_per_rank)
 from course_lib.distributed.comm import ByteCounter
 from course_lib.moe import MoEMLP, expert_capacity, expert_counts, load_balancing_loss, no_drop_factor
-from course_lib.workers.ep_results import EPReport
+from course_lib.workers.ep_compare import EPReport
 
 EXPERTS, D, H, TOKENS = 8, 8, 16, 16
 ARGS = ["--experts", str(EXPERTS), "--d-model", str(D), "--hidden", str(H), "--tokens", str(TOKENS),

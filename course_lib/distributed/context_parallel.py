@@ -60,6 +60,7 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from course_lib.distributed.comm import ByteCounter, Exchange, Message, exchange, nbytes
@@ -509,6 +510,26 @@ def model_forward(model: nn.Module, idx: torch.Tensor, ring: Ring) -> torch.Tens
         x = x + attention_forward(block.attn, block.ln1(x), ring)
         x = x + block.mlp(block.ln2(x))
     return model.head(x)
+
+
+def cp_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, ring: Ring) -> torch.Tensor:
+    """This rank's share of the mean next-token loss of the batch ``x, y`` (whole sequences, every rank the same):
+    the sum over its tokens / all tokens of the batch. The shares of the ring's ranks add up to the mean."""
+    local_x, local_y = (shard(t, ring.world, ring.rank, ring.layout) for t in (x, y))
+    return cp_local_loss(model, local_x, local_y, ring, y.numel())
+
+
+def cp_local_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, ring: Ring, tokens: int) -> torch.Tensor:
+    """``cp_loss`` of this rank's positions ``x``, ``y`` (already sharded) over a batch of ``tokens`` tokens."""
+    logits = model_forward(model, x, ring)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum") / tokens
+
+
+def sum_grads(model: nn.Module) -> None:
+    """Sum every parameter's gradient over the ranks: each rank's tokens gave one term (uncounted here)."""
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
 
 
 def ring_bytes_per_layer(T: int, b: int, h: int, c: int, act_bytes: int = 4,

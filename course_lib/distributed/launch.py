@@ -17,6 +17,8 @@ Worker side, in ``course_lib/workers/<name>.py``::
     report(MyResult(loss=0.1))    # a results.WorkerResult dataclass (or a plain dict)
     shutdown()
 
+or, the same in one call, ``serve(parser, work)`` with ``work(args, rank, world, device) -> MyResult``.
+
 and the parent reads it back typed: ``MyResult.from_dict(run(...))``.
 
 The same worker modules run across machines with torchrun's ``--nnodes`` and a
@@ -41,6 +43,7 @@ import uuid
 import warnings
 from datetime import timedelta
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -309,3 +312,31 @@ def shutdown() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()
+
+
+def pick(text: str, choices: tuple[str, ...] | list[str], what: str = "task") -> list[str]:
+    """The comma-separated names in ``text``, each checked against ``choices`` (a worker's ``--tasks`` and the like)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in choices]
+    if unknown:
+        raise ValueError(f"unknown {what}(s) {unknown}; choose from {', '.join(choices)}")
+    return names
+
+
+def serve(parser: argparse.ArgumentParser, work: Callable[[argparse.Namespace, int, int, torch.device], object],
+          check: Callable[[argparse.Namespace], None] | None = None) -> None:
+    """A worker's main: parse its options (with ``--pg-timeout``), join the group, report ``work``'s result, leave.
+
+    ``work(args, rank, world, device)`` runs on every rank and rank 0's result
+    is reported (``None``: nothing). ``check(args)`` runs first, before any
+    rank waits for another.
+    """
+    add_timeout_arg(parser)
+    args = parser.parse_args()
+    if check is not None:
+        check(args)
+    rank, world, device = init_distributed(args.pg_timeout)
+    result = work(args, rank, world, device)
+    if result is not None:
+        report(result)
+    shutdown()

@@ -364,3 +364,12 @@ def measured_bubble(runs: Sequence[StageRun]) -> dict[str, float]:
     busy = [sum(t[3] - t[2] for t in r.busy) for r in runs]
     return {"makespan": makespan, "bubble_fraction": 1.0 - sum(busy) / (len(runs) * makespan),
             "busy": busy}
+
+
+def timeline(runs: Sequence[dict]) -> tuple[dict[str, float], list[tuple[int, str, int, float, float]]]:
+    """One step seen from rank 0, from every rank's ``{"rank", "start", "end", "busy"}`` (``gather_on_first``
+    of its ``StageRun``'s times): ``measured_bubble``'s figures, and every busy op as ``(stage, op,
+    micro-batch, start, end)`` in seconds from the common start (for ``plots.gantt``)."""
+    stages = [StageRun(r["rank"], r["start"], r["end"], busy=r["busy"]) for r in runs]
+    t0 = min(s.start for s in stages)
+    return measured_bubble(stages), [(s.rank, op, i, b - t0, e - t0) for s in stages for op, i, b, e in s.busy]

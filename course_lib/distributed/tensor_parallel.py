@@ -21,7 +21,8 @@ LayerNorm and dropout regions, on the sequence: ``g``'s all-reduce becomes a
 reduce-scatter (each rank keeps its rows of the sum) and ``f`` an all-gather;
 their conjugates run in the backward. Same bytes, 1/t of those activations.
 
-Each collective goes through ``comm`` and is counted in ``TPGroup.counter``.
+Each collective goes through ``comm`` and is counted in ``TPGroup.counter``. The same split
+through torch's API (``parallelize_module``, DTensor) is in ``tp_api``.
 Activations are (batch, sequence, features): the sequence is dimension 1.
 """
 
@@ -362,3 +363,29 @@ def sync_replicated_grads(module: nn.Module, tp: TPGroup, counter: comm.ByteCoun
     for p, g in zip(params, flat.split([p.numel() for p in params])):
         p.grad.copy_(g.view_as(p.grad))
 
+
+def full_grads(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every gradient of a hand-split module as the single-process layer has it (a collective, uncounted).
+
+    Column-parallel shards are gathered along dimension 0 and put back in the
+    layer's row order; row-parallel weights along dimension 1; the rest is whole.
+    """
+    split: dict[int, tuple[nn.Module, int]] = {}
+    for m in module.modules():
+        if isinstance(m, ColumnParallelLinear):
+            split |= {id(p): (m, 0) for p in (m.weight, m.bias) if p is not None}
+        elif isinstance(m, RowParallelLinear):
+            split[id(m.weight)] = (m, 1)
+    out = {}
+    for name, p in module.named_parameters():
+        if id(p) not in split:
+            out[name] = p.grad
+            continue
+        layer, dim = split[id(p)]
+        parts = [torch.empty_like(p.grad) for _ in range(layer.tp.size)]
+        dist.all_gather(parts, p.grad.contiguous(), group=layer.tp.group)
+        full = torch.cat(parts, dim=dim)
+        if dim == 0:  # rank r held rows order.chunk(t)[r]: put every row back in its place
+            full = full[torch.argsort(layer.order).to(full.device)]
+        out[name] = full
+    return out

@@ -1,4 +1,4 @@
-"""ZeRO stages 1 and 2 written by hand, and the meters for ZeRO-3 as FSDP2 (chapter 09).
+"""ZeRO stages 1 and 2 written by hand, ZeRO-3 as FSDP2, and their meters (chapter 09).
 
 Data parallelism keeps a full copy of the parameters, the gradients and the
 optimizer state on every rank. ZeRO (Rajbhandari et al. 2020, "ZeRO: Memory
@@ -28,13 +28,16 @@ forward and again for the backward, plus the reduce-scatter: 1.5x.
 
 This module puts them together (the update of this rank's slices, then the
 all-gather of the parameters) and holds the chapter's formulas
-(``shard_bounds``, ``zero_bytes_per_rank``) and its meters for FSDP2.
+(``shard_bounds``, ``zero_bytes_per_rank``), ZeRO-3 as FSDP2 (``shard_fsdp2``) and the meters
+for torch's wrappers.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -48,6 +51,7 @@ from course_lib.distributed.zero_buckets import DEFAULT_BUCKET_MB, FlatLayout
 from course_lib.distributed.zero_buckets import bucket_sizes  # noqa: F401 (the planner and the tests import it here)
 from course_lib.distributed.zero_stage1 import Stage1Gradients
 from course_lib.distributed.zero_stage2 import MAX_IN_FLIGHT, Stage2Gradients
+from course_lib.models import TinyTransformer
 
 # Optimizers whose update of one element depends only on that element's
 # parameter, gradient and state (plus shared scalars such as the step count).
@@ -224,7 +228,36 @@ class ZeroOptimizer:
                 "optimizer": memory.optimizer_state_bytes(self.optimizer)}
 
 
-# ----- meters for torch's own data-parallel wrappers ----------------------------------------
+# ----- ZeRO-3 as torch's FSDP2, and meters for torch's own data-parallel wrappers ------------
+
+
+def shard_fsdp2(model: TinyTransformer, reshard_after_forward: bool = True,
+                mp_policy: object | None = None, offload_policy: object | None = None) -> TinyTransformer:
+    """ZeRO-3 with FSDP2: one ``fully_shard`` per block, for the embedding and the head, then the root.
+
+    Order matters: inner modules first, so each gets its own all-gather group
+    and the root only collects what is left (here nothing). Passing
+    ``reshard_after_forward`` to the root as well overrides FSDP2's heuristic
+    of keeping the root's parameters between forward and backward, so every
+    parameter is gathered twice per step, as in the paper's stage 3.
+    ``mp_policy``: a ``MixedPrecisionPolicy``; ``offload_policy``: an
+    ``OffloadPolicy`` (``CPUOffloadPolicy()`` keeps the shards on the host,
+    chapter 11), the same for every part.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    kwargs: dict = {"reshard_after_forward": reshard_after_forward}
+    for name, policy, kind in (("mp_policy", mp_policy, MixedPrecisionPolicy),
+                               ("offload_policy", offload_policy, OffloadPolicy)):
+        if policy is not None:
+            if not isinstance(policy, kind):
+                raise ValueError(f"{name} must be a {kind.__name__}, got {type(policy).__name__}")
+            kwargs[name] = policy
+    parts: list[nn.Module] = [model.embed, *model.blocks, model.head]
+    for part in parts:
+        fully_shard(part, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
 
 
 def local_bytes(t: torch.Tensor | None) -> int:
@@ -279,3 +312,19 @@ def count_fsdp_traffic(model: nn.Module, counter: comm.ByteCounter) -> int:
         m.set_custom_all_gather(CountingAllGather())
         m.set_custom_reduce_scatter(CountingReduceScatter())
     return len(modules)
+
+
+@contextlib.contextmanager
+def count_broadcasts(counter: comm.ByteCounter) -> Iterator[None]:
+    """Count every ``dist.broadcast`` made inside the block (ZeroRedundancyOptimizer's parameter sync)."""
+    original = dist.broadcast
+
+    def counted(tensor, src, *args, **kwargs):
+        counter.add("broadcast", comm.ring_factor("broadcast", dist.get_world_size()) * comm.nbytes(tensor))
+        return original(tensor, src, *args, **kwargs)
+
+    dist.broadcast = counted
+    try:
+        yield
+    finally:
+        dist.broadcast = original

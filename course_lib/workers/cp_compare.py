@@ -39,12 +39,11 @@ import torch.nn.functional as F
 from course_lib import memory, timing
 from course_lib.distributed import context_parallel as cp
 from course_lib.distributed import launch
-from course_lib.distributed.results import WorkerResult
+from course_lib.distributed.results import WorkerResult, gather_per_rank, max_abs_diff
 from course_lib.distributed.zero import ZeroOptimizer, held_bytes
 from course_lib.env import seed_everything
 from course_lib.models import TransformerBlock, lm_loss
-from course_lib.workers.zero_common import RunConfig, build_model, gather_per_rank, global_batch, local_batch
-from course_lib.workers.zero_compare import reference
+from course_lib.workers.zero_common import RunConfig, build_model, global_batch, local_batch, reference
 
 TASKS = ("exact", "saved", "train", "api", "overlap")
 OVERLAP_REPEATS = 10  # timed passes per rank: the median of ten steadies a busy machine's noise
@@ -85,28 +84,14 @@ def _gathered(t: torch.Tensor, layout: str, dim: int) -> torch.Tensor:
     return cp.unshard([p.cpu() for p in gather_per_rank(t.detach().cpu())], layout, dim)
 
 
-def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.double().cpu() - b.double().cpu()).abs().max().item()
-
-
-def cp_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, ring: cp.Ring) -> torch.Tensor:
-    """This rank's share of the mean next-token loss: the sum over its tokens / all tokens of the batch."""
-    local_x, local_y = (cp.shard(t, ring.world, ring.rank, ring.layout) for t in (x, y))
-    return cp_local_loss(model, local_x, local_y, ring, y.numel())
-
-
-def cp_local_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, ring: cp.Ring,
-                  tokens: int) -> torch.Tensor:
-    """``cp_loss`` of this rank's positions ``x``, ``y`` (already sharded) over a batch of ``tokens`` tokens."""
-    logits = cp.model_forward(model, x, ring)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum") / tokens
-
-
-def sum_grads(model: torch.nn.Module) -> None:
-    """Sum every parameter's gradient over the ranks: each rank's tokens gave one term (uncounted here)."""
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad)
+def _summed_diffs(model: torch.nn.Module, loss: torch.Tensor, one: torch.nn.Module,
+                  ref_loss: torch.Tensor) -> tuple[float, float]:
+    """The ranks' loss shares and gradients summed, against one process's: (loss difference, gradient difference)."""
+    cp.sum_grads(model)
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    grads = max_abs_diff([p.grad for p in model.parameters()], [r.grad for r in one.parameters()])
+    return abs(total.item() - ref_loss.item()), grads
 
 
 _GROUPS: dict[int, list[dist.ProcessGroup]] = {}
@@ -140,8 +125,8 @@ def exact_task(cfg: RunConfig, layout: str, device: torch.device) -> LayoutResul
     local = [cp.shard(t, world, rank, layout, dim=2).to(device).requires_grad_() for t in (q, k, v)]
     out = cp.ring_attention(*local, ring)
     out.backward(cp.shard(grad_out, world, rank, layout, dim=2).to(device))
-    attn_out = _diff(_gathered(out, layout, 2), ref)
-    attn_grad = max(_diff(_gathered(t.grad, layout, 2), r.grad) for t, r in zip(local, (ref_q, ref_k, ref_v)))
+    attn_out = max_abs_diff(_gathered(out, layout, 2), ref)
+    attn_grad = max_abs_diff([_gathered(t.grad, layout, 2) for t in local], [ref_q.grad, ref_k.grad, ref_v.grad])
     pairs, scores = gather_per_rank(ring.pairs[0]), gather_per_rank(ring.scores[0])
     blocks = gather_per_rank(sum(int(cp.positions(T, world, rank, layout).max() >= cp.positions(T, world, j, layout).min())
                                  for j in range(world)))
@@ -152,18 +137,15 @@ def exact_task(cfg: RunConfig, layout: str, device: torch.device) -> LayoutResul
     ref_loss = lm_loss(one(x), y)
     ref_loss.backward()
     model = build_model(c64, device)
-    loss = cp_loss(model, x.to(device), y.to(device), cp.Ring.of(T, layout))
+    loss = cp.cp_loss(model, x.to(device), y.to(device), cp.Ring.of(T, layout))
     loss.backward()
-    sum_grads(model)
-    total = loss.detach().clone()
-    dist.all_reduce(total)
-    grad_diff = max(_diff(p.grad, r.grad) for p, r in zip(model.parameters(), one.parameters()))
+    loss_diff, grad_diff = _summed_diffs(model, loss, one, ref_loss)
     # bytes per layer, float32
     model32 = build_model(cfg, device)
     ring32 = cp.Ring.of(T, layout)
-    cp_loss(model32, x.to(device), y.to(device), ring32).backward()
+    cp.cp_loss(model32, x.to(device), y.to(device), ring32).backward()
     sent = cp.sent_per_pass(ring32.counter)
-    return LayoutResult(layout, attn_out, attn_grad, abs(total.item() - ref_loss.item()), grad_diff, pairs, scores,
+    return LayoutResult(layout, attn_out, attn_grad, loss_diff, grad_diff, pairs, scores,
                         blocks, sent["forward"] / cfg.n_layers, sent["backward"] / cfg.n_layers,
                         {op: n // cfg.n_layers for op, n in ring32.counter.calls.items()})
 
@@ -223,7 +205,7 @@ def train_task(cfg: RunConfig, device: torch.device, dp: int = 1, zero_stage: in
             opt.zero_grad(set_to_none=False)
 
         def update() -> None:
-            sum_grads(model)
+            cp.sum_grads(model)
             opt.step()
 
         def held() -> dict[str, int]:  # the states this rank holds, as chapter 01 counts them
@@ -237,7 +219,7 @@ def train_task(cfg: RunConfig, device: torch.device, dp: int = 1, zero_stage: in
         parts: list[torch.Tensor] = []
 
         def cp_step() -> None:
-            part = cp_local_loss(model, x, y, ring, cfg.batch * cfg.seq_len)
+            part = cp.cp_local_loss(model, x, y, ring, cfg.batch * cfg.seq_len)
             (part * scale).backward()
             update()
             parts.append(part.detach())
@@ -287,11 +269,8 @@ def api_task(cfg: RunConfig, device: torch.device) -> dict:
             loss.backward()
     except Exception as exc:  # noqa: BLE001 - the point is to report what this torch does on this backend
         return {"ran": False, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}", "backend": dist.get_backend()}
-    sum_grads(model)
-    total = loss.detach().clone()
-    dist.all_reduce(total)
-    grad = max(_diff(p.grad, r.grad) for p, r in zip(model.parameters(), one.parameters()))
-    return {"ran": True, "loss_diff": abs(total.item() - ref.item()), "grad_diff": grad, "backend": dist.get_backend(),
+    loss_diff, grad_diff = _summed_diffs(model, loss, one, ref)
+    return {"ran": True, "loss_diff": loss_diff, "grad_diff": grad_diff, "backend": dist.get_backend(),
             "positions_rank0": pos[0].tolist()}
 
 
@@ -330,23 +309,17 @@ def overlap_task(cfg: RunConfig, device: torch.device, repeats: int = OVERLAP_RE
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated: {', '.join(TASKS)}")
-    parser.add_argument("--cfg", default=RunConfig().to_json(), help="RunConfig as JSON (seq_len: the whole sequence)")
-    parser.add_argument("--dp", type=int, default=1, help="saved, train: data-parallel groups of world/dp ring ranks")
-    parser.add_argument("--zero-stage", type=int, default=0, help="train: 0 (all-reduce), 1 or 2 (ZeroOptimizer)")
-    launch.add_timeout_arg(parser)
-    a = parser.parse_args()
-    cfg = RunConfig.from_json(a.cfg)
-    tasks = [t for t in a.tasks.split(",") if t]
-    unknown = set(tasks) - set(TASKS)
-    if unknown:
-        raise ValueError(f"unknown task(s) {sorted(unknown)}; choose from {', '.join(TASKS)}")
-    world = int(os.environ.get("WORLD_SIZE", "1"))  # checked before any rank waits for another
-    if a.dp < 1 or world % a.dp or cfg.batch % a.dp:
-        raise ValueError(f"--dp {a.dp} must divide the {world} ranks and the batch of {cfg.batch} sequences")
-    rank, world, device = launch.init_distributed(a.pg_timeout)
+def _check(a: argparse.Namespace) -> None:
+    """Refuse ``--dp`` before any rank waits for another (from the launch's ``WORLD_SIZE``)."""
+    launch.pick(a.tasks, TASKS)
+    world, batch = int(os.environ.get("WORLD_SIZE", "1")), RunConfig.from_json(a.cfg).batch
+    if a.dp < 1 or world % a.dp or batch % a.dp:
+        raise ValueError(f"--dp {a.dp} must divide the {world} ranks and the batch of {batch} sequences")
+
+
+def run_tasks(a: argparse.Namespace, rank: int, world: int, device: torch.device) -> CPReport:
+    """Every task of ``a.tasks``, in order: one ``CPReport``."""
+    cfg, tasks = RunConfig.from_json(a.cfg), launch.pick(a.tasks, TASKS)
     # a clear error on every rank before any message: the saved and train tasks' rings have world/dp ranks
     for ring_ranks in {world // a.dp if t in ("saved", "train") else world for t in tasks}:
         cp.check_layout(cfg.seq_len, ring_ranks)
@@ -362,8 +335,16 @@ def main() -> None:
         report.api = api_task(cfg, device)
     if "overlap" in tasks:
         report.overlap = overlap_task(cfg, device)
-    launch.report(report)
-    launch.shutdown()
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated: {', '.join(TASKS)}")
+    parser.add_argument("--cfg", default=RunConfig().to_json(), help="RunConfig as JSON (seq_len: the whole sequence)")
+    parser.add_argument("--dp", type=int, default=1, help="saved, train: data-parallel groups of world/dp ring ranks")
+    parser.add_argument("--zero-stage", type=int, default=0, help="train: 0 (all-reduce), 1 or 2 (ZeroOptimizer)")
+    launch.serve(parser, run_tasks, check=_check)
 
 
 if __name__ == "__main__":

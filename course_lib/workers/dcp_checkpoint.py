@@ -37,9 +37,11 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                      get_state_dict, set_state_dict)
 
+from course_lib.distributed.results import mean_over_ranks
+from course_lib.distributed.zero import shard_fsdp2
 from course_lib.models import lm_loss
 from course_lib.workers.zero_common import (CrashResult, ReshardResult, ResumeResult, RunConfig, build_model,
-                                            local_batch, mean_over_ranks, shard_fsdp2)
+                                            local_batch)
 
 CKPT = re.compile(r"^step_(\d{6})$")
 KILLED_EXIT = 75  # the exit code of a rank killed on purpose during a save (any non-zero code would do)
@@ -166,14 +168,20 @@ def crash_run(cfg: RunConfig, root: str, every: int, crash_at: int, device: torc
     return CrashResult(losses=losses, crashed=False)  # reached only if crash_at was never hit
 
 
-def resume_run(cfg: RunConfig, root: str, device: torch.device) -> ResumeResult:
-    """Resume from the latest complete checkpoint, and compare with a run that never stopped."""
+def _load_latest(cfg: RunConfig, root: str, device: torch.device):
+    """The latest complete checkpoint loaded into a fresh FSDP2 model: path, incomplete folders, model, optimizer,
+    meta, and whether the loaded full state is the one saved."""
     path, partial = latest_checkpoint(root)
     if path is None:
         raise FileNotFoundError(f"no complete checkpoint under {root}; run the 'crash' task first")
     model, opt = _fsdp(cfg, device)
     meta = load_checkpoint(path, model, opt)
-    digest_ok = full_state_digest(model, opt) == meta["digest"]
+    return path, partial, model, opt, meta, full_state_digest(model, opt) == meta["digest"]
+
+
+def resume_run(cfg: RunConfig, root: str, device: torch.device) -> ResumeResult:
+    """Resume from the latest complete checkpoint, and compare with a run that never stopped."""
+    path, partial, model, opt, meta, digest_ok = _load_latest(cfg, root, device)
     start = meta["step"]
     resumed = _train(model, opt, cfg, start, cfg.steps, device)
     model2, opt2 = _fsdp(cfg, device)
@@ -189,12 +197,7 @@ def resume_run(cfg: RunConfig, root: str, device: torch.device) -> ResumeResult:
 
 def reshard_load(cfg: RunConfig, root: str, device: torch.device, steps: int = 2) -> ReshardResult:
     """Load the latest checkpoint at this world size; check the full state; train ``steps`` more steps."""
-    path, _ = latest_checkpoint(root)
-    if path is None:
-        raise FileNotFoundError(f"no complete checkpoint under {root}; run the 'crash' task first")
-    model, opt = _fsdp(cfg, device)
-    meta = load_checkpoint(path, model, opt)
-    digest_ok = full_state_digest(model, opt) == meta["digest"]
+    path, _, model, opt, meta, digest_ok = _load_latest(cfg, root, device)
     start = meta["step"]
     losses = _train(model, opt, cfg, start, min(cfg.steps, start + steps), device)
     return ReshardResult(checkpoint=path.name, saved_world=meta["world"], loaded_world=dist.get_world_size(),

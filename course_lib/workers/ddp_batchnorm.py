@@ -122,11 +122,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=4, help="samples per rank")
     parser.add_argument("--seed", type=int, default=0)
-    launch.add_timeout_arg(parser)
-    a = parser.parse_args()
-    rank, world, device = launch.init_distributed(timeout_s=a.pg_timeout)
-    launch.report(batchnorm_checks(rank, world, device, a.batch, a.seed))
-    launch.shutdown()
+    launch.serve(parser, lambda a, rank, world, device: batchnorm_checks(rank, world, device, a.batch, a.seed))
 
 
 if __name__ == "__main__":

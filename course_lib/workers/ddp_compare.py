@@ -309,10 +309,11 @@ def main() -> None:
     parser.add_argument("--timing-only", action="store_true", help="skip the equality and no_sync checks")
     parser.add_argument("--trace-dir", default=None, help="also profile one step of naive and bucketed DDP there")
     parser.add_argument("--seed", type=int, default=0)
-    launch.add_timeout_arg(parser)
-    a = parser.parse_args()
+    launch.serve(parser, run_checks)
 
-    rank, world, device = launch.init_distributed(timeout_s=a.pg_timeout)  # CPU + gloo, or a GPU per rank + NCCL
+
+def run_checks(a: argparse.Namespace, rank: int, world: int, device: torch.device) -> CompareResult:
+    """The checks ``a`` asks for, on CPU + gloo or on a GPU per rank + NCCL."""
     result = CompareResult(world, dist.get_backend())
     if not a.timing_only:
         result.equal = {name: compare_scenario(name, rank, world, a.batch, a.steps, a.seed, device)
@@ -326,8 +327,7 @@ def main() -> None:
     if a.trace_dir:
         result.trace = trace_ddp(rank, world, device, a.trace_dir, a.timing_in, tuple(a.timing_hidden),
                                  a.timing_batch, seed=a.seed)
-    launch.report(result)
-    launch.shutdown()
+    return result
 
 
 if __name__ == "__main__":

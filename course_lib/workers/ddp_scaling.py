@@ -79,10 +79,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps (after one warm-up step)")
     parser.add_argument("--width", type=int, default=8, help="ResNet width")
     parser.add_argument("--seed", type=int, default=0)
-    launch.add_timeout_arg(parser)
-    a = parser.parse_args()
+    launch.serve(parser, weak_scaling)
 
-    rank, world, device = launch.init_distributed(timeout_s=a.pg_timeout)
+
+def weak_scaling(a: argparse.Namespace, rank: int, world: int, device: torch.device) -> ScalingResult:
+    """Time DDP steps on this rank's shard, with and without the all-reduce; one ring all-reduce counted."""
     dataset = data.load_dataset("shapes", "train", n=world * a.batch * (a.steps + 1), seed=a.seed)
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=a.seed)
     sampler.set_epoch(0)  # a different shuffle each epoch, the same on every rank
@@ -104,14 +105,13 @@ def main() -> None:
     counter = comm.ByteCounter()
     comm.ring_all_reduce(flat, counter=counter)
     grad_bytes = comm.nbytes(flat)
-    launch.report(ScalingResult(
+    return ScalingResult(
         world=world, batch_per_rank=a.batch, global_batch=world * a.batch,
         step_ms=step_s * 1e3, compute_ms=compute_s * 1e3, compute_cpu_ms=compute_cpu_s * 1e3,
         samples_per_s=world * a.batch / step_s, clock=clock.name,
         grad_bytes=grad_bytes, ring_bytes=counter.bytes, ring_ratio=counter.bytes / grad_bytes,
         ring_max_abs_diff=(flat - expected).abs().max().item(),
-        shard_size=len(sampler), cpu_count=os.cpu_count() or 1, backend=dist.get_backend()))
-    launch.shutdown()
+        shard_size=len(sampler), cpu_count=os.cpu_count() or 1, backend=dist.get_backend())
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ layouts with EP over the whole world, ``world x 1``).
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -25,10 +26,63 @@ import torch.distributed as dist
 from course_lib.distributed import comm, launch
 from course_lib.distributed.comm import ByteCounter
 from course_lib.distributed.expert_parallel import ExpertParallelMoE, expert_dp_groups
+from course_lib.distributed.results import WorkerResult, gather_per_rank, max_over_ranks
 from course_lib.moe import MoEMLP, no_drop_factor
-from course_lib.workers.ep_results import EPReport, EPRun
-from course_lib.workers.tp_common import max_over_ranks
-from course_lib.workers.zero_common import gather_per_rank
+
+
+# ----- what one launch reports: the notebook and the tests rebuild it with EPReport.from_dict -----
+
+
+@dataclass
+class EPRun:
+    """One MoE layer on an ``ep x dp`` layout of the ranks, against the one-process layer.
+
+    Differences are the largest over ranks (float64); lists hold one entry per
+    rank. ``sent`` is what each rank's all-to-alls sent to other ranks in one
+    forward and backward; ``off_rank_rows``: ``[dispatched, received]`` rows
+    that crossed ranks in the forward.
+    """
+
+    ep: int
+    dp: int
+    k: int
+    a2a: str                      # "by_hand" (counted) or "torch" (torch.distributed.nn)
+    capacity_factor: float
+    tokens_per_rank: int
+    row_bytes: int
+    out_diff: float
+    input_grad_diff: float
+    router_grad_diff: float
+    expert_grad_diff: float
+    drop_rate: list[float]
+    sent: list[float]
+    sent_counts: list[float]
+    off_rank_rows: list[list[int]]
+    send_rows: list[int]
+    recv_rows: list[int]
+    capacity: list[int]
+    params: list[dict[str, int]]
+    grad_sync: list[dict[str, float]]  # per rank: bytes all-reduced for the router (world) and experts (dp group)
+    aux_diff: float = float("nan")     # |EP layer's aux_loss - one process's| when EP spans the world (dp = 1)
+    aux_sent: list[float] = field(default_factory=list)  # per rank: bytes of the aux loss's all-reduce (by hand)
+
+
+@dataclass
+class EPReport(WorkerResult):
+    world: int
+    n_experts: int
+    d_model: int
+    d_hidden: int
+    runs: list[EPRun] = field(default_factory=list)
+
+    def run(self, ep: int, dp: int, k: int, a2a: str = "by_hand", dropping: bool = False) -> EPRun:
+        """The run of that layout, ``k`` and all-to-all; ``dropping``: the one at a capacity that drops."""
+        for r in self.runs:
+            drops = r.capacity_factor < no_drop_factor(self.n_experts, k)
+            if (r.ep, r.dp, r.k, r.a2a) == (ep, dp, k, a2a) and drops == dropping:
+                return r
+        raise KeyError(f"no run ep={ep} dp={dp} k={k} a2a={a2a} dropping={dropping}; the launch ran "
+                       f"{[(r.ep, r.dp, r.k, r.a2a, r.capacity_factor) for r in self.runs]}")
 
 
 def _diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
@@ -96,20 +150,8 @@ def one_run(args: argparse.Namespace, ep: int, k: int, capacity_factor: float, a
         aux_sent=gather_per_rank(counter.by_op.get("all_reduce", 0.0)))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--layouts", default="", help="comma-separated e x d, e.g. 4x1,2x2 (default: world x 1)")
-    parser.add_argument("--ks", default="1,2")
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--d-model", type=int, default=16)
-    parser.add_argument("--hidden", type=int, default=32)
-    parser.add_argument("--tokens", type=int, default=32, help="tokens per rank")
-    parser.add_argument("--drop-factor", type=float, default=0.0, help="also a run at this capacity factor")
-    parser.add_argument("--api", action="store_true", help="also one run through torch's all_to_all_single")
-    parser.add_argument("--seed", type=int, default=0)
-    launch.add_timeout_arg(parser)
-    args = parser.parse_args()
-    rank, world, _ = launch.init_distributed(args.pg_timeout)
+def run_layouts(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> EPReport:
+    """Every layout of ``args.layouts`` and every k of ``args.ks``; the dropping and torch runs where EP spans the world."""
     torch.set_num_threads(1)
     layouts = [tuple(int(v) for v in s.split("x")) for s in args.layouts.split(",") if s] or [(world, 1)]
     report = EPReport(world=world, n_experts=args.experts, d_model=args.d_model, d_hidden=args.hidden)
@@ -126,8 +168,21 @@ def main() -> None:
                 report.runs.append(one_run(args, ep, k, args.drop_factor, "by_hand", groups))
         if args.api and dp == 1:
             report.runs.append(one_run(args, ep, 2, no_drop_factor(args.experts, 2), "torch", groups))
-    launch.report(report)
-    launch.shutdown()
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--layouts", default="", help="comma-separated e x d, e.g. 4x1,2x2 (default: world x 1)")
+    parser.add_argument("--ks", default="1,2")
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--d-model", type=int, default=16)
+    parser.add_argument("--hidden", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=32, help="tokens per rank")
+    parser.add_argument("--drop-factor", type=float, default=0.0, help="also a run at this capacity factor")
+    parser.add_argument("--api", action="store_true", help="also one run through torch's all_to_all_single")
+    parser.add_argument("--seed", type=int, default=0)
+    launch.serve(parser, run_layouts)
 
 
 if __name__ == "__main__":

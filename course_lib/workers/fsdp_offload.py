@@ -29,15 +29,16 @@ from torch import nn
 
 from course_lib import memory, timing
 from course_lib.distributed import launch
+from course_lib.distributed.results import gather_per_rank, mean_over_ranks
+from course_lib.distributed.zero import shard_fsdp2
 from course_lib.models import lm_loss
-from course_lib.workers.zero_common import (RunConfig, build_model, gather_per_rank, local_batch, mean_over_ranks,
-                                            shard_fsdp2)
+from course_lib.workers.zero_common import RunConfig, build_model, local_batch
 
 MODES = ("none", "cpu")
 
 
 def shard(model: nn.Module, offload: bool, pin_memory: bool) -> nn.Module:
-    """``zero_common.shard_fsdp2`` (chapter 09's ZeRO-3), its shards on the host when ``offload``."""
+    """``zero.shard_fsdp2`` (chapter 09's ZeRO-3), its shards on the host when ``offload``."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     return shard_fsdp2(model, offload_policy=CPUOffloadPolicy(pin_memory=pin_memory) if offload else None)
@@ -98,24 +99,23 @@ def run_mode(mode: str, cfg: RunConfig, rank: int, world: int, device: torch.dev
             "step_s": statistics.median(times[1:] if len(times) > 1 else times), "cuda_peak_bytes": peak}
 
 
+def run_modes(a: argparse.Namespace, rank: int, world: int, device: torch.device) -> dict:
+    """Every mode of ``a.modes`` on the same ``RunConfig``."""
+    cfg = RunConfig.from_json(a.cfg)
+    if a.pin_memory and device.type != "cuda":
+        raise RuntimeError("CPUOffloadPolicy(pin_memory=True) needs CUDA ranks; these run on the CPU "
+                           "(pass --pin-memory 0 to check the losses there)")
+    modes = {m: run_mode(m, cfg, rank, world, device, bool(a.pin_memory)) for m in a.modes.split(",")}
+    return {"world": world, "device": device.type, "num_params": sum(p.numel() for p in build_model(cfg).parameters()),
+            "modes": modes}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cfg", default=RunConfig().to_json(), help="RunConfig as JSON")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated from {MODES}")
     parser.add_argument("--pin-memory", type=int, default=1, help="1: pinned host buffers (CUDA only)")
-    args = parser.parse_args()
-    cfg = RunConfig.from_json(args.cfg)
-    rank, world, device = launch.init_distributed()
-    try:
-        pin = bool(args.pin_memory)
-        if pin and device.type != "cuda":
-            raise RuntimeError("CPUOffloadPolicy(pin_memory=True) needs CUDA ranks; these run on the CPU "
-                               "(pass --pin-memory 0 to check the losses there)")
-        modes = {m: run_mode(m, cfg, rank, world, device, pin) for m in args.modes.split(",")}
-        launch.report({"world": world, "device": device.type, "num_params": sum(
-            p.numel() for p in build_model(cfg).parameters()), "modes": modes})
-    finally:
-        launch.shutdown()
+    launch.serve(parser, run_modes)
 
 
 if __name__ == "__main__":

@@ -29,10 +29,10 @@ from course_lib.distributed import launch
 from course_lib.distributed.clock import CpuClock
 from course_lib.distributed.pipedream import WeightStash, async_order
 from course_lib.distributed.pipeline import make_schedule
-from course_lib.distributed.pipeline_exec import StageRun, boundary_shapes, measured_bubble, run_stage, split_sequential
-from course_lib.distributed.results import WorkerResult
-from course_lib.env import seed_everything
-from course_lib.models import TinyTransformer, lm_loss
+from course_lib.distributed.pipeline_exec import StageRun, boundary_shapes, run_stage, split_sequential, timeline
+from course_lib.distributed.results import WorkerResult, gather_on_first
+from course_lib.models import lm_loss
+from course_lib.workers.pipeline_freeze_run import micro_batches, tiny_model
 
 
 @dataclass
@@ -72,26 +72,14 @@ class PipeDreamResult(WorkerResult):
     timed: list[TimedRun] = field(default_factory=list)
 
 
-def _model(a: argparse.Namespace, world: int, seed: int) -> TinyTransformer:
-    seed_everything(seed)
-    return TinyTransformer(vocab=a.vocab, d_model=a.d_model, n_heads=a.heads, n_layers=max(1, 2 * world - 2),
-                           max_len=a.seq_len)
-
-
-def _gather(mine: object, rank: int, world: int) -> list | None:
-    out: list | None = [None] * world if rank == 0 else None
-    dist.gather_object(mine, out, dst=0)
-    return out
-
-
 def train_seed(a: argparse.Namespace, seed: int, rank: int, world: int) -> SeedRun | None:
     """PipeDream on the ranks and (rank 0) synchronous steps, ``n`` micro-batches each."""
-    model = _model(a, world, seed)
+    model = tiny_model(a, world, seed)
     reference = copy.deepcopy(model)
     n = a.train_microbatches or a.microbatches
     x, y = make_tokens(n * a.microbatch_size, a.seq_len, vocab=a.vocab, seed=seed)
     x_eval, y_eval = make_tokens(64, a.seq_len, vocab=a.vocab, seed=10_000 + seed)
-    xs, ys = [c.clone() for c in x.chunk(n)], [c.clone() for c in y.chunk(n)]
+    xs, ys = micro_batches(x, n), micro_batches(y, n)
     pieces = split_sequential(model.as_sequential(), world)
     stage = pieces[rank]
     stash = WeightStash(stage, torch.optim.Adam(stage.parameters(), lr=a.lr))
@@ -103,7 +91,7 @@ def train_seed(a: argparse.Namespace, seed: int, rank: int, world: int) -> SeedR
     mine = {"losses": run.losses, "used": stash.used, "peak_copies": stash.peak_copies,
             "peak_bytes": stash.peak_bytes, "param_bytes": sum(p.nbytes for p in stage.parameters()),
             "state": stage.state_dict()}
-    got = _gather(mine, rank, world)
+    got = gather_on_first(mine)
     if rank != 0:
         return None
     for piece, g in zip(pieces, got):              # the trained stages, back in one model
@@ -129,9 +117,9 @@ def timed_runs(a: argparse.Namespace, rank: int, world: int, padded: bool = True
     pad = {"F": a.t_forward_ms / 1e3, "B": a.t_backward_ms / 1e3} if padded else None
     clock, out = CpuClock(), []
     for kind in ("async", "flush"):
-        model = _model(a, world, a.seeds[0])
+        model = tiny_model(a, world, a.seeds[0])
         x, y = make_tokens(a.microbatches * a.microbatch_size, a.seq_len, vocab=a.vocab, seed=a.seeds[0])
-        xs, ys = [c.clone() for c in x.chunk(a.microbatches)], [c.clone() for c in y.chunk(a.microbatches)]
+        xs, ys = micro_batches(x, a.microbatches), micro_batches(y, a.microbatches)
         pieces = split_sequential(model.as_sequential(), world)
         stage, shape = pieces[rank], boundary_shapes(pieces, xs[0])[rank]
         opt = torch.optim.Adam(stage.parameters(), lr=a.lr)
@@ -155,16 +143,13 @@ def timed_runs(a: argparse.Namespace, rank: int, world: int, padded: bool = True
         mine = StageRun(rank, runs[0].start, runs[-1].end,
                         busy=[(op, i + (k * a.flush_m if kind == "flush" else 0), b, e)
                               for k, r in enumerate(runs) for op, i, b, e in r.busy])
-        got = _gather({"start": mine.start, "end": mine.end, "busy": mine.busy,
-                       "inflight": max(r.peak_inflight for r in runs), "sent": sum(r.sent_messages for r in runs),
-                       "overruns": sum(r.overruns for r in runs)}, rank, world)
+        got = gather_on_first({"rank": rank, "start": mine.start, "end": mine.end, "busy": mine.busy,
+                               "inflight": max(r.peak_inflight for r in runs),
+                               "sent": sum(r.sent_messages for r in runs), "overruns": sum(r.overruns for r in runs)})
         if rank == 0:
-            stages = [StageRun(s, g["start"], g["end"], busy=g["busy"]) for s, g in enumerate(got)]
-            meas = measured_bubble(stages)
-            t0 = min(s.start for s in stages)
+            meas, ops = timeline(got)
             out.append(TimedRun(kind, meas["makespan"], meas["bubble_fraction"], [g["inflight"] for g in got],
-                                sum(g["sent"] for g in got), sum(g["overruns"] for g in got),
-                                [(s.rank, op, i, b - t0, e - t0) for s in stages for op, i, b, e in s.busy]))
+                                sum(g["sent"] for g in got), sum(g["overruns"] for g in got), ops))
     return out if rank == 0 else None
 
 
@@ -184,12 +169,17 @@ def main() -> None:
     parser.add_argument("--t-forward-ms", type=float, default=20.0, help="padded forward of the timed runs")
     parser.add_argument("--t-backward-ms", type=float, default=40.0)
     parser.add_argument("--repeats", type=int, default=1, help="timed runs of each kind; the fastest is kept")
-    launch.add_timeout_arg(parser)
-    a = parser.parse_args()
+    launch.serve(parser, compare_pipedream, check=_check)
+
+
+def _check(a: argparse.Namespace) -> None:
     a.seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
     if not a.seeds or a.repeats < 1 or a.microbatches < 1 or a.flush_m < 1 or a.microbatches % a.flush_m:
         raise ValueError("give at least one seed, and a number of micro-batches that is a multiple of --flush-m")
-    rank, world, _ = launch.init_distributed(timeout_s=a.pg_timeout)
+
+
+def compare_pipedream(a: argparse.Namespace, rank: int, world: int, device: torch.device) -> PipeDreamResult | None:
+    """Every seed's training comparison, then the timed runs (after an unpadded warm-up)."""
     torch.set_num_threads(1)                       # p ranks share the cores: one thread each
     result = PipeDreamResult(world, a.microbatches, a.flush_m)
     timed_runs(argparse.Namespace(**{**vars(a), "microbatches": a.flush_m}), rank, world, padded=False)  # warm-up
@@ -199,10 +189,10 @@ def main() -> None:
             result.seeds.append(run)
     # on a shared machine another process can stall a rank: keep each kind's fastest of a few repeats
     tries = [timed_runs(a, rank, world) for _ in range(a.repeats)]
-    if rank == 0:
-        result.timed = [min((t[k] for t in tries), key=lambda r: r.makespan_s) for k in range(2)]
-    launch.report(result)
-    launch.shutdown()
+    if rank != 0:
+        return None
+    result.timed = [min((t[k] for t in tries), key=lambda r: r.makespan_s) for k in range(2)]
+    return result
 
 
 if __name__ == "__main__":

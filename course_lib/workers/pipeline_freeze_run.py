@@ -31,10 +31,9 @@ from course_lib.data import make_tokens
 from course_lib.distributed import launch
 from course_lib.distributed.clock import Clock, clock_for
 from course_lib.distributed.pipeline import make_schedule, simulate
-from course_lib.distributed.pipeline_exec import (StageRun, boundary_shapes, measured_bubble, run_stage,
-                                                  split_sequential)
+from course_lib.distributed.pipeline_exec import StageRun, boundary_shapes, run_stage, split_sequential, timeline
 from course_lib.distributed.pipeline_freeze import ActivationCache, freeze, frozen_schedule, repack
-from course_lib.distributed.results import WorkerResult
+from course_lib.distributed.results import WorkerResult, gather_on_first
 from course_lib.env import seed_everything
 from course_lib.models import TinyTransformer, lm_loss
 
@@ -82,10 +81,18 @@ class FreezeRun(WorkerResult):
     repacked_timings: list[tuple[int, str, int, float, float]] = field(default_factory=list)
 
 
-def _model(a: argparse.Namespace, world: int) -> TinyTransformer:
-    seed_everything(a.seed)
+def tiny_model(a: argparse.Namespace, stages: int, seed: int | None = None) -> TinyTransformer:
+    """The chapter's ``TinyTransformer`` at ``add_model_args``'s sizes, seeded (``a.seed`` unless ``seed``), the
+    same on every rank: ``--layers`` blocks, or two modules per stage (of ``stages``, virtual ones included)."""
+    seed_everything(a.seed if seed is None else seed)
+    layers = getattr(a, "layers", 0)
     return TinyTransformer(vocab=a.vocab, d_model=a.d_model, n_heads=a.heads,
-                           n_layers=a.layers if a.layers > 0 else max(1, 2 * world - 2), max_len=a.seq_len)
+                           n_layers=layers if layers > 0 else max(1, 2 * stages - 2), max_len=a.seq_len)
+
+
+def micro_batches(x: torch.Tensor, m: int) -> list[torch.Tensor]:
+    """``x`` cut into ``m`` micro-batches, separate tensors as a data loader hands them out (not views of ``x``)."""
+    return [c.clone() for c in x.chunk(m)]
 
 
 def _clear(mods: list[nn.Module]) -> None:
@@ -94,22 +101,18 @@ def _clear(mods: list[nn.Module]) -> None:
             p.grad = None
 
 
-def _diff(mods: list[nn.Module], refs: list[nn.Module]) -> float:
+def grad_diff(mods: list[nn.Module], refs: list[nn.Module]) -> float:
+    """The largest gradient difference of pipeline stages ``mods`` from the sequential model's ``refs`` (frozen
+    parameters, with no reference gradient, left out)."""
     return max([(p.grad.cpu() - r.grad).abs().max().item() for mod, ref in zip(mods, refs)
                 for p, r in zip(mod.parameters(), ref.parameters()) if r.grad is not None], default=0.0)
-
-
-def _gather(mine: dict, rank: int, world: int) -> list[dict] | None:
-    got: list[dict] | None = [None] * world if rank == 0 else None  # type: ignore[list-item]
-    dist.gather_object(mine, got, dst=0)
-    return None if got is None else sorted(got, key=lambda r: r["rank"])
 
 
 def freeze_steps(a: argparse.Namespace, k: int, m: int, repeats: int, rank: int, world: int, device: torch.device,
                  clock: Clock) -> FreezeRun | None:
     """Both steps on every rank, ``k`` stages frozen, ``m`` micro-batches, each padded step the fastest of
     ``repeats``; rank 0 returns the figures, the others ``None``. ``a`` holds the model and padding options."""
-    model = _model(a, world)
+    model = tiny_model(a, world)
     layers = list(model.as_sequential())
     pieces = split_sequential(nn.Sequential(*layers), world)
     freeze(pieces[:k])
@@ -118,7 +121,7 @@ def freeze_steps(a: argparse.Namespace, k: int, m: int, repeats: int, rank: int,
     loss_ref = lm_loss(reference(x), y)
     loss_ref.backward()
     refs = split_sequential(reference.as_sequential(), world)
-    xs, ys = [c.clone() for c in x.chunk(m)], [c.clone() for c in y.chunk(m)]
+    xs, ys = micro_batches(x, m), micro_batches(y, m)
     t_f, t_b = a.t_forward_ms / 1e3, a.t_backward_ms / 1e3
     pad = None if a.t_forward_ms <= 0 else {"F": t_f, "B": t_b}
 
@@ -139,18 +142,18 @@ def freeze_steps(a: argparse.Namespace, k: int, m: int, repeats: int, rank: int,
     best = None
     for _ in range(repeats):
         run = step(m, True, False)
-        runs = _gather({"rank": rank, "start": run.start, "end": run.end, "busy": run.busy}, rank, world)
+        runs = gather_on_first({"rank": rank, "start": run.start, "end": run.end, "busy": run.busy})
         span = torch.tensor([0.0 if runs is None else max(r["end"] for r in runs) - min(r["start"] for r in runs)],
                             device=device)  # broadcast: on the group's device (NCCL needs CUDA)
         dist.broadcast(span, 0)                  # every rank keeps the same repeat: the fastest
         if best is None or span.item() < best[0]:
-            best = (span.item(), run, _diff([mine_mod], [refs[rank]]),
+            best = (span.item(), run, grad_diff([mine_mod], [refs[rank]]),
                     all(p.grad is None for p in mine_mod.parameters()))
     _, run, gdiff, no_grads = best
     mine = {"rank": rank, "start": run.start, "end": run.end, "busy": run.busy, "ops": counted_ops,
             "bytes": run.peak_activation_bytes, "messages": run.sent_messages, "sent": run.sent_bytes,
             "diff": gdiff, "none": no_grads, "losses": run.losses, "overruns": run.overruns}
-    frozen_runs = _gather(mine, rank, world)
+    frozen_runs = gather_on_first(mine)
 
     # 2. repacked: the active layers on fewer stages, the freed ranks as replicas
     per_old = len(layers) // world               # layers of one stage before (split_sequential: equal here)
@@ -190,28 +193,26 @@ def freeze_steps(a: argparse.Namespace, k: int, m: int, repeats: int, rank: int,
         for g, part in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(part.view_as(g))
         done = clock.mark()
-        rr = _gather({"rank": rank, "start": r_run.start, "end": r_run.end, "done": clock.seconds(done),
-                      "busy": r_run.busy, "losses": r_run.losses}, rank, world)
+        rr = gather_on_first({"rank": rank, "start": r_run.start, "end": r_run.end, "done": clock.seconds(done),
+                              "busy": r_run.busy, "losses": r_run.losses})
         span = torch.tensor([0.0 if rr is None else max(r["done"] for r in rr) - min(r["start"] for r in rr)],
                             device=device)
         dist.broadcast(span, 0)
         if best_r is None or span.item() < best_r[0]:
             refs_new = split_sequential(nn.Sequential(*list(reference.as_sequential())[plan.frozen_layers:]), K)
-            best_r = (span.item(), r_run, done, _diff([new_mod], [refs_new[local]]))
+            best_r = (span.item(), r_run, done, grad_diff([new_mod], [refs_new[local]]))
     _, r_run, done, rdiff = best_r
     mine = {"rank": rank, "start": r_run.start, "end": r_run.end, "done": clock.seconds(done), "busy": r_run.busy,
             "diff": rdiff, "losses": r_run.losses, "bytes": r_run.peak_activation_bytes,
             "cache": None if cache is None else [cache.nbytes, cache.num_samples, cache.computed, cache.hits]}
-    repacked = _gather(mine, rank, world)
+    repacked = gather_on_first(mine)
     if rank != 0:
         return None
-    t0 = min(r["start"] for r in frozen_runs)
-    meas = measured_bubble([StageRun(r["rank"], r["start"], r["end"], busy=r["busy"]) for r in frozen_runs])
+    meas, ops = timeline(frozen_runs)
     sim = simulate(frozen_schedule("1f1b", world, m, k), t_f or 1.0, t_b or 2.0)
     last = frozen_runs[-1]
     reps = [repacked[r * K:(r + 1) * K] for r in range(R)]
-    r_meas = [measured_bubble([StageRun(q["rank"], q["start"], q["end"], busy=q["busy"]) for q in rep])
-              for rep in reps]
+    r_meas = [timeline(rep)[0] for rep in reps]
     r_sim = simulate(make_schedule("1f1b", K, m_r), (t_f or 1.0) * scale, (t_b or 2.0) * scale)
     r0 = min(q["start"] for q in repacked)
     caches = [q["cache"] for q in repacked if q["cache"] is not None]
@@ -226,7 +227,7 @@ def freeze_steps(a: argparse.Namespace, k: int, m: int, repeats: int, rank: int,
         grad_max_abs_diff=max(r["diff"] for r in frozen_runs if r["rank"] >= k),
         frozen_grads_none=all(r["none"] for r in frozen_runs if r["rank"] < k),
         loss=sum(last["losses"]) / len(last["losses"]), overruns=sum(r["overruns"] for r in frozen_runs),
-        timings=[(r["rank"], op, i, b - t0, e - t0) for r in frozen_runs for op, i, b, e in r["busy"]],
+        timings=ops,
         stages=K, replicas=R, layers_per_stage=plan.layers_per_stage,
         repacked_makespan_s=max(q["done"] for q in repacked) - r0,
         repacked_pipeline_s=max(q["end"] for q in repacked) - r0,
@@ -236,7 +237,7 @@ def freeze_steps(a: argparse.Namespace, k: int, m: int, repeats: int, rank: int,
         repacked_grad_max_abs_diff=max(q["diff"] for q in repacked), repacked_loss=sum(losses) / len(losses),
         repacked_peak_activation_bytes=[q["bytes"] for q in repacked], allreduce_bytes=flat_bytes,
         cache_bytes=caches[0][0], cache_samples=caches[0][1], cache_computed=caches[0][2], cache_hits=caches[0][3],
-        repacked_timings=[(q["rank"], op, i, b - r0, e - r0) for q in repacked for op, i, b, e in q["busy"]])
+        repacked_timings=timeline(repacked)[1])
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -249,6 +250,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=0, help="transformer blocks (0: 2p - 2)")
     parser.add_argument("--t-forward-ms", type=float, default=20.0, help="pad each forward to this (0: no padding)")
     parser.add_argument("--t-backward-ms", type=float, default=40.0, help="pad each backward to this")
+    parser.add_argument("--seed", type=int, default=0)
 
 
 def main() -> None:
@@ -257,14 +259,11 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=4)
     add_model_args(parser)
     parser.add_argument("--repeats", type=int, default=1, help="run each padded step this often, keep the fastest")
-    parser.add_argument("--seed", type=int, default=0)
-    launch.add_timeout_arg(parser)
-    a = parser.parse_args()
-    rank, world, device = launch.init_distributed(timeout_s=a.pg_timeout)
-    torch.set_num_threads(1)
-    result = freeze_steps(a, a.frozen_stages, a.microbatches, a.repeats, rank, world, device, clock_for(device))
-    launch.report(result)
-    launch.shutdown()
+
+    def work(a: argparse.Namespace, rank: int, world: int, device: torch.device) -> FreezeRun | None:
+        torch.set_num_threads(1)
+        return freeze_steps(a, a.frozen_stages, a.microbatches, a.repeats, rank, world, device, clock_for(device))
+    launch.serve(parser, work)
 
 
 if __name__ == "__main__":

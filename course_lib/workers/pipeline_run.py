@@ -32,13 +32,13 @@ import torch.distributed as dist
 from course_lib.data import make_tokens
 from course_lib.distributed import launch
 from course_lib.distributed.clock import Clock, clock_for
-from course_lib.distributed.results import WorkerResult
+from course_lib.distributed.results import WorkerResult, gather_on_first
 from course_lib.distributed.pipeline import KINDS, bubble_formula, make_schedule, simulate, zb_h1_bubble_formula
-from course_lib.distributed.pipeline_exec import (StageRun, boundary_shapes, measured_bubble, peak_sends_held,
-                                                  run_stage, split_sequential)
-from course_lib.env import seed_everything
-from course_lib.models import TinyTransformer, lm_loss
-from course_lib.workers.pipeline_freeze_run import FreezeRun, add_model_args, freeze_steps
+from course_lib.distributed.pipeline_exec import (boundary_shapes, peak_sends_held, run_stage, split_sequential,
+                                                  timeline)
+from course_lib.models import lm_loss
+from course_lib.workers.pipeline_freeze_run import (FreezeRun, add_model_args, freeze_steps, grad_diff, micro_batches,
+                                                    tiny_model)
 
 
 def _ints(text: str) -> list[int]:
@@ -55,21 +55,12 @@ def _chunks(a: argparse.Namespace, kind: str) -> int:
 
 def build(a: argparse.Namespace, world: int, m: int, v: int = 1):
     """The same model and batch on every rank (same seed), and the sequential reference step."""
-    seed_everything(a.seed)
-    layers = a.layers if a.layers > 0 else max(1, 2 * world * v - 2)   # 2 modules per (virtual) stage
-    model = TinyTransformer(vocab=a.vocab, d_model=a.d_model, n_heads=a.heads, n_layers=layers,
-                            max_len=a.seq_len)
+    model = tiny_model(a, world * v)
     x, y = make_tokens(m * a.microbatch_size, a.seq_len, vocab=a.vocab, seed=a.seed)
     reference = copy.deepcopy(model)
     logits = reference(x)
     lm_loss(logits, y).backward()                  # mean over every token of the whole batch
     return model, reference, x, y, logits.detach()
-
-
-def _max_grad_diff(stages: list, refs: list) -> float:
-    diffs = [(p.grad - r.grad).abs().max().item() for s, r_ in zip(stages, refs)
-             for p, r in zip(s.parameters(), r_.parameters())]
-    return max(diffs, default=0.0)
 
 
 def _my_chunks(pieces: list, rank: int, world: int, v: int) -> list:
@@ -143,7 +134,7 @@ def handmade_step(a: argparse.Namespace, kind: str, m: int, rank: int, world: in
     pieces = split_sequential(model.as_sequential(), world * v)
     refs = _my_chunks(split_sequential(reference.as_sequential(), world * v), rank, world, v)
     # separate tensors, as a data loader hands them out (a chunk is a view of the whole batch's storage)
-    xs, ys = [c.clone() for c in x.chunk(m)], [c.clone() for c in y.chunk(m)]
+    xs, ys = micro_batches(x, m), micro_batches(y, m)
     shapes = _my_chunks(boundary_shapes(pieces, xs[0]), rank, world, v)
     mine_ = [c.to(device) for c in _my_chunks(pieces, rank, world, v)]
     schedule = make_schedule(kind, world, m, chunks=v)
@@ -162,17 +153,14 @@ def handmade_step(a: argparse.Namespace, kind: str, m: int, rank: int, world: in
             "peak_inflight": run.peak_inflight, "peak_activation_bytes": run.peak_activation_bytes,
             "peak_sends_held": run.peak_sends_held, "sent_messages": run.sent_messages,
             "sent_bytes": run.sent_bytes, "overruns": run.overruns,
-            "grad_max_abs_diff": _max_grad_diff([c.cpu() for c in mine_], refs), "op_counts": run.op_counts}
+            "grad_max_abs_diff": grad_diff(mine_, refs), "op_counts": run.op_counts}
     if run.outputs:                                # the last stage compares the model's outputs
         mine["output_max_abs_diff"] = (torch.cat(run.outputs) - ref_logits).abs().max().item()
-    gathered: list[dict] | None = [None] * world if rank == 0 else None  # type: ignore[list-item]
-    dist.gather_object(mine, gathered, dst=0)
-    if rank != 0:
+    runs = gather_on_first(mine)
+    if runs is None:
         return None
-    runs = sorted(gathered, key=lambda r: r["rank"])  # type: ignore[arg-type]
 
-    meas = measured_bubble([StageRun(r["rank"], r["start"], r["end"], busy=r["busy"]) for r in runs])
-    t0 = min(r["start"] for r in runs)
+    meas, ops = timeline(runs)
     sim = simulate(schedule, a.t_forward_ms or 1.0, a.t_backward_ms or 2.0)
     formula = (zb_h1_bubble_formula(world, m, a.t_forward_ms or 1.0, a.t_backward_ms or 2.0) if kind == "zb-h1"
                else bubble_formula(world, m, v))
@@ -189,8 +177,7 @@ def handmade_step(a: argparse.Namespace, kind: str, m: int, rank: int, world: in
         grad_max_abs_diff=max(r["grad_max_abs_diff"] for r in runs),
         output_max_abs_diff=runs[-1]["output_max_abs_diff"],
         # (stage, op, micro-batch, start, end, chunk) in seconds from the common start, for plots.gantt
-        timings=[(r["rank"], op, i, b - t0, e - t0, c) for r in runs
-                 for (op, i, b, e), c in zip(r["busy"], r["chunks"])],
+        timings=[(*t, c) for t, c in zip(ops, (c for r in runs for c in r["chunks"]))],
         op_counts=[(r["rank"], op, i, c, n) for r in runs
                    for (op, i, *_), c, n in zip(r["busy"], r["chunks"], r["op_counts"])])
 
@@ -224,13 +211,12 @@ def torch_api_step(a: argparse.Namespace, kind: str, m: int, rank: int, world: i
     if losses:
         mine["output_max_abs_diff"] = (out.detach().cpu() - ref_logits).abs().max().item()
         mine["loss"] = torch.stack(losses).mean().item()
-    mine["grad_max_abs_diff"] = _max_grad_diff([mod.cpu() for mod in mods], refs)
-    gathered: list[dict] | None = [None] * world if rank == 0 else None  # type: ignore[list-item]
-    dist.gather_object(mine, gathered, dst=0)
-    if rank != 0:
+    mine["grad_max_abs_diff"] = grad_diff(mods, refs)
+    gathered = gather_on_first(mine)
+    if gathered is None:
         return None
-    last = gathered[-1]  # type: ignore[index]
-    return TorchApiRun(kind, world, m, grad_max_abs_diff=max(g["grad_max_abs_diff"] for g in gathered),  # type: ignore
+    last = gathered[-1]
+    return TorchApiRun(kind, world, m, grad_max_abs_diff=max(g["grad_max_abs_diff"] for g in gathered),
                        output_max_abs_diff=last["output_max_abs_diff"], loss=last["loss"], schedule=cls.__name__,
                        loss_reference=lm_loss(ref_logits, y).item())
 
@@ -260,20 +246,31 @@ def main() -> None:
                         help="also run pipeline_freeze_run's steps at the main number of micro-batches with this "
                              "many stages frozen (0: not), in this launch: no second start of the processes")
     parser.add_argument("--freeze-repeats", type=int, default=1, help="tries of each padded freeze step")
-    parser.add_argument("--seed", type=int, default=0)
-    launch.add_timeout_arg(parser)
-    a = parser.parse_args()
-    kinds, a.main_only, unpadded = _names(a.schedules), set(_names(a.main_only)), _names(a.unpadded)
-    bad = [k for k in kinds + unpadded if k not in KINDS]
+    launch.serve(parser, run_schedules, check=_check)
+
+
+def _check(a: argparse.Namespace) -> None:
+    bad = [k for k in _names(a.schedules) + _names(a.unpadded) if k not in KINDS]
     if bad:
         raise ValueError(f"this worker runs the schedules {', '.join(KINDS)}; got {bad}")
     if a.repeats < 1:
         raise ValueError(f"--repeats must be at least 1; got {a.repeats}")
 
-    rank, world, device = launch.init_distributed(timeout_s=a.pg_timeout)
+
+def _fastest(tries: list[HandmadeRun]) -> HandmadeRun:
+    """The least disturbed of a few tries (on a shared machine another process can stall a rank for a while)."""
+    best = min(tries, key=lambda r: r.makespan_s)
+    best.bubble_measured_all = [r.bubble_measured for r in tries]
+    return best
+
+
+def run_schedules(a: argparse.Namespace, rank: int, world: int, device: torch.device) -> PipelineResult | None:
+    """Every schedule and number of micro-batches ``a`` asks for, by hand and/or with torch's API."""
+    kinds, a.main_only, unpadded = _names(a.schedules), set(_names(a.main_only)), _names(a.unpadded)
     torch.set_num_threads(1)                       # p ranks share the cores: one thread each
     clock = clock_for(device)                      # made here: on a GPU it calibrates its padding first
     result = PipelineResult(world, dist.get_backend(), clock.name)
+    main_m = _ints(a.torch_microbatches or a.microbatches)[-1]
     if a.api in ("handmade", "both"):
         # Warm-up, not measured: the first messages between two ranks open their
         # connection and the first backward initialises autograd, which would
@@ -285,26 +282,18 @@ def main() -> None:
             counted = handmade_step(unpad, kind, world, rank, world, device, clock, count_ops=True)
             if counted is not None:
                 result.counted.append(counted)
-        main_m = _ints(a.torch_microbatches or a.microbatches)[-1]
         for kind in kinds:
             for m in (_ints(a.microbatches) if kind not in a.main_only else [main_m]):
-                # On a shared machine another process can stall a rank for a while;
-                # the fastest of a few repeats is the one closest to the schedule itself.
-                # (schedules run at one m only get at least 3 tries: they are few, and their ops shorter)
+                # schedules run at one m only get at least 3 tries: they are few, and their ops shorter
                 n = a.repeats if kind not in a.main_only else max(3, a.repeats)
                 tries = [handmade_step(a, kind, m, rank, world, device, clock) for _ in range(n)]
                 if rank == 0:
-                    best = min(tries, key=lambda r: r.makespan_s)
-                    best.bubble_measured_all = [r.bubble_measured for r in tries]
-                    result.handmade.append(best)
+                    result.handmade.append(_fastest(tries))
         for kind in unpadded:                      # no padding: the ops' own times, on however many cores
             tries = [handmade_step(unpad, kind, main_m, rank, world, device, clock) for _ in range(a.repeats)]
             if rank == 0:
-                best = min(tries, key=lambda r: r.makespan_s)
-                best.bubble_measured_all = [r.bubble_measured for r in tries]
-                result.unpadded.append(best)
+                result.unpadded.append(_fastest(tries))
     if a.freeze_stages > 0:
-        main_m = _ints(a.torch_microbatches or a.microbatches)[-1]
         result.freeze = freeze_steps(a, a.freeze_stages, main_m, a.freeze_repeats, rank, world, device, clock)
     if a.api in ("torch", "both"):
         for kind in kinds:
@@ -312,8 +301,7 @@ def main() -> None:
                 run = torch_api_step(a, kind, m, rank, world, device)
                 if run is not None:
                     result.torch_api.append(run)
-    launch.report(result)
-    launch.shutdown()
+    return result
 
 
 if __name__ == "__main__":

@@ -141,15 +141,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=["ok", "fail", "hang", "mismatch", "comm"], default="ok")
     parser.add_argument("--pid-dir", default=None, help="hang mode: write one <name>.pid file per process here")
-    launch.add_timeout_arg(parser)
-    a = parser.parse_args()
+    launch.serve(parser, run_mode)
 
-    rank, world, device = launch.init_distributed(timeout_s=a.pg_timeout)
+
+def run_mode(a: argparse.Namespace, rank: int, world: int, device: torch.device) -> WorkerResult | None:
+    """What ``a.mode`` does on this rank; rank 0's result (``ok``, ``comm``) is reported."""
     if a.mode == "ok":
         x = torch.tensor([float(rank + 1)], device=device)
         dist.all_reduce(x)
-        launch.report(OkResult(x.item(), world, rank, dist.get_backend(), str(device), torch.get_num_threads()))
-    elif a.mode == "fail":
+        return OkResult(x.item(), world, rank, dist.get_backend(), str(device), torch.get_num_threads())
+    if a.mode == "comm":
+        return _comm_checks(rank, world, device)
+    if a.mode == "fail":
         if rank == 1:
             raise ValueError("selftest: rank 1 fails on purpose")
         dist.barrier()
@@ -165,9 +168,7 @@ def main() -> None:
             dist.all_reduce(torch.ones(4, device=device))  # rank 1 never joins this collective
         else:
             time.sleep(a.pg_timeout + 60)  # outlives rank 0's timeout
-    elif a.mode == "comm":
-        launch.report(_comm_checks(rank, world, device))
-    launch.shutdown()
+    return None
 
 
 if __name__ == "__main__":

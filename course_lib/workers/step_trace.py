@@ -112,16 +112,15 @@ def main() -> None:
     parser.add_argument("--what", choices=("ddp", "zero"), default="ddp")
     parser.add_argument("--out", required=True, help="folder for the trace files")
     parser.add_argument("--cfg", default=None, help="zero: a zero_common.RunConfig as JSON")
-    launch.add_timeout_arg(parser)
-    a = parser.parse_args()
-    rank, world, device = launch.init_distributed(timeout_s=a.pg_timeout)
+    launch.serve(parser, run_trace)
+
+
+def run_trace(a: argparse.Namespace, rank: int, world: int, device: torch.device) -> dict:
     if a.what == "ddp":
-        files = trace_ddp(rank, world, device, a.out)
-    else:
-        from course_lib.workers.zero_common import RunConfig
-        files = trace_zero(RunConfig.from_json(a.cfg) if a.cfg else RunConfig(), rank, world, device, a.out)
-    launch.report({"files": files, "world": world})
-    launch.shutdown()
+        return {"files": trace_ddp(rank, world, device, a.out), "world": world}
+    from course_lib.workers.zero_common import RunConfig
+    files = trace_zero(RunConfig.from_json(a.cfg) if a.cfg else RunConfig(), rank, world, device, a.out)
+    return {"files": files, "world": world}
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import copy
 import dataclasses
 import logging
 import statistics
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -34,49 +35,121 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from course_lib import memory, timing
 from course_lib.distributed import comm, launch
-from course_lib.distributed.tensor_parallel import (SEQ, TPBlock, TPGroup, copy_to_tp, gather_from_sequence,
+from course_lib.distributed.results import (WorkerResult, gather_per_rank, max_abs_diff, max_over_ranks,
+                                            mean_over_ranks)
+from course_lib.distributed.tensor_parallel import (SEQ, TPBlock, TPGroup, copy_to_tp, full_grads, gather_from_sequence,
                                                     reduce_from_tp, reduce_scatter_to_sequence, sync_replicated_grads)
+from course_lib.distributed.tp_api import (CountDTensorComm, block_plan, original_layout, parallelize,
+                                          reduce_partial_grads, saved_bytes_in, since, snapshot, to_head_major)
 from course_lib.distributed.zero import count_fsdp_traffic, held_bytes
 from course_lib.env import seed_everything
 from course_lib.models import lm_loss
-from course_lib.workers import zero_compare
-from course_lib.workers.tp_common import (CountDTensorComm, block_plan, full_grads, max_over_ranks,
-                                          original_layout, parallelize, reduce_partial_grads, saved_bytes_in, since,
-                                          snapshot, to_head_major)
-from course_lib.workers.tp_results import BlockResult, MeshResult, TPReport
-from course_lib.workers.zero_common import RunConfig, build_model, gather_per_rank, local_batch, mean_over_ranks
+from course_lib.workers.zero_common import RunConfig, build_model, local_batch, reference
+
+# ----- what one launch reports: the notebook and the tests rebuild it with TPReport.from_dict -----
+
+
+@dataclass
+class BlockResult:
+    """One transformer block split over ``tp`` ranks (by hand or by the API), against the single-process block.
+
+    Differences are the largest over ranks; bytes and calls are rank 0's, per
+    block and micro-batch; ``saved_bytes`` is every rank's (forward of the block).
+    """
+
+    method: str                       # "tp", "sp", "sp_regather" (by hand), "api_tp", "api_sp", "api_sp_local"
+    tp: int
+    dtype: str
+    out_diff: float
+    input_grad_diff: float
+    param_grad_diff: float
+    sent_forward: dict[str, float]
+    sent_backward: dict[str, float]
+    calls_forward: dict[str, int]
+    calls_backward: dict[str, int]
+    saved_bytes: list[int]
+    local_shapes: dict[str, list[int]]
+    sync_bytes: float = 0.0           # SP by hand: the replicated gradients' all-reduce
+
+
+@dataclass
+class MeshResult:
+    """A few Adam steps of the tiny transformer on a (dp, tp) mesh, against single-process Adam."""
+
+    dp: int
+    tp: int
+    sequence_parallel: bool
+    dtype: str
+    losses: list[float]
+    max_loss_diff: float
+    max_param_diff: float
+    held: list[dict[str, int]]          # per rank: params, grads, optimizer bytes
+    saved_bytes: list[int]              # per rank: what the blocks save in one forward
+    tp_sent_per_step: dict[str, float]  # rank 0, by collective: DTensor's (TP) collectives
+    dp_sent_per_step: dict[str, float]  # rank 0, by collective: FSDP2's
+    tp_calls_per_step: dict[str, float]
+    step_s: float
+    param_placements: dict[str, str] = field(default_factory=dict)
+    partial_grads: int = 0              # gradients still partial sums before the optimizer (reduced once)
+    lazy_optimizer_calls: dict[str, int] = field(default_factory=dict)  # collectives of a step on partial ones
+
+
+@dataclass
+class TPReport(WorkerResult):
+    """Everything one launch of ``tp_compare`` measured."""
+
+    world: int
+    ops: dict
+    blocks: list[BlockResult]
+    meshes: list[MeshResult]
+    ref_saved_bytes: dict[str, int]     # dtype -> what the single-process block saves
+    num_params: int = 0
+
+    def block(self, method: str, tp: int, dtype: str = "float64") -> BlockResult:
+        """The block run of ``method`` at tensor-parallel size ``tp`` in ``dtype``."""
+        for b in self.blocks:
+            if (b.method, b.tp, b.dtype) == (method, tp, dtype):
+                return b
+        raise KeyError(f"no block run {method!r} at tp={tp} in {dtype}; have "
+                       f"{sorted({(b.method, b.tp, b.dtype) for b in self.blocks})}")
+
+    def mesh(self, dp: int, tp: int, dtype: str = "float32") -> MeshResult:
+        """The training run on a ``dp`` x ``tp`` mesh in ``dtype``."""
+        for m in self.meshes:
+            if (m.dp, m.tp, m.dtype) == (dp, tp, dtype):
+                return m
+        raise KeyError(f"no mesh run {dp}x{tp} in {dtype}; have {[(m.dp, m.tp, m.dtype) for m in self.meshes]}")
+
 
 BYHAND = {"tp": (False, False), "sp": (True, False), "sp_regather": (True, True)}  # (sequence parallel, regather)
-
-
-def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.double() - b.double()).abs().max().item()
 
 
 def ops_check(device: torch.device) -> dict:
     """f, g and the sequence pair on tensors whose sums are known: rank r holds the value r + 1."""
     tp, world, rank = TPGroup(), dist.get_world_size(), dist.get_rank()
-    total = world * (world + 1) / 2  # 1 + 2 + ... + world
+
+    def ends(y: torch.Tensor, g: torch.Tensor) -> dict:
+        return {"forward": y[0, 0, 0].item(), "backward": g[0, 0, 0].item()}
+
+    checks = {  # name: (operator, the gradient sent back, what to read from its output and the input's gradient)
+        "f": (copy_to_tp, rank + 1.0, ends),
+        "g": (reduce_from_tp, rank + 1.0, ends),
+        # (2, world * world, 3): the rank's value in its own rows
+        "gather_seq": (gather_from_sequence, 1.0, lambda y, g: {
+            "shape": list(y.shape), "rows_of_rank": [y[0, r * world, 0].item() for r in range(world)],
+            "backward": g[0, 0, 0].item()}),
+        # (2, 1, 3): the sum, this rank's row
+        "reduce_scatter_seq": (reduce_scatter_to_sequence, rank + 1.0, lambda y, g: {
+            "shape": list(y.shape), "forward": y[0, 0, 0].item(),
+            "backward_rows": [g[0, r, 0].item() for r in range(world)]}),
+    }
     out = {}
-    x = torch.full((2, world, 3), rank + 1.0, device=device, requires_grad=True)
-    y = copy_to_tp(x, tp)
-    y.backward(torch.full_like(y, rank + 1.0))
-    out["f"] = {"forward": y[0, 0, 0].item(), "backward": x.grad[0, 0, 0].item()}
-    x.grad = None
-    y = reduce_from_tp(x, tp)
-    y.backward(torch.full_like(y, rank + 1.0))
-    out["g"] = {"forward": y[0, 0, 0].item(), "backward": x.grad[0, 0, 0].item()}
-    x.grad = None
-    y = gather_from_sequence(x, tp)  # (2, world * world, 3): the rank's value in its own rows
-    y.backward(torch.ones_like(y))
-    out["gather_seq"] = {"shape": list(y.shape), "rows_of_rank": [y[0, r * world, 0].item() for r in range(world)],
-                         "backward": x.grad[0, 0, 0].item()}
-    x.grad = None
-    y = reduce_scatter_to_sequence(x, tp)  # (2, 1, 3): the sum, this rank's row
-    y.backward(torch.full_like(y, rank + 1.0))
-    out["reduce_scatter_seq"] = {"shape": list(y.shape), "forward": y[0, 0, 0].item(),
-                                 "backward_rows": [x.grad[0, r, 0].item() for r in range(world)]}
-    out["sum_of_values"] = total
+    for name, (op, grad, read) in checks.items():
+        x = torch.full((2, world, 3), rank + 1.0, device=device, requires_grad=True)
+        y = op(x, tp)
+        y.backward(torch.full_like(y, grad))
+        out[name] = read(y, x.grad)
+    out["sum_of_values"] = world * (world + 1) / 2  # 1 + 2 + ... + world
     return out
 
 
@@ -102,6 +175,21 @@ def _shard(t: torch.Tensor, sequence_parallel: bool, tp: TPGroup) -> torch.Tenso
     return t.chunk(tp.size, dim=SEQ)[tp.rank] if sequence_parallel else t
 
 
+def _checked(method: str, size: int, sp: bool, tp: TPGroup, out: torch.Tensor, xs: torch.Tensor,
+             grads: dict[str, torch.Tensor], ref, counts: tuple, saved: int, local: dict, device,
+             **extra) -> BlockResult:
+    """One split block's run (output, input shard, full gradients, ``(forward, backward)`` counts) against ``ref``."""
+    ref_out, ref_gx, ref_grads, _ = ref
+    (sent_f, calls_f), (sent_b, calls_b) = counts
+    return BlockResult(
+        method=method, tp=size, dtype=str(xs.dtype).removeprefix("torch."),
+        out_diff=max_over_ranks(max_abs_diff(out, _shard(ref_out, sp, tp)), device),
+        input_grad_diff=max_over_ranks(max_abs_diff(xs.grad, _shard(ref_gx, sp, tp)), device),
+        param_grad_diff=max_over_ranks(max(max_abs_diff(grads[n], ref_grads[n]) for n in ref_grads), device),
+        sent_forward=sent_f, sent_backward=sent_b, calls_forward=calls_f, calls_backward=calls_b,
+        saved_bytes=gather_per_rank(saved), local_shapes=local, **extra)
+
+
 def run_byhand(method: str, block, x, w, ref, tp: TPGroup, device) -> BlockResult:
     """``TPBlock`` of ``method`` on the group ``tp``, checked against ``ref`` (from ``_reference``)."""
     sp, regather = BYHAND[method]
@@ -116,16 +204,8 @@ def run_byhand(method: str, block, x, w, ref, tp: TPGroup, device) -> BlockResul
     sync = comm.ByteCounter()
     if sp:  # the LayerNorms and row biases saw only this rank's rows
         sync_replicated_grads(tpb, tp, sync)
-    ref_out, ref_gx, ref_grads, _ = ref
-    grads = full_grads(tpb)
-    return BlockResult(
-        method=method, tp=tp.size, dtype=str(x.dtype).removeprefix("torch."),
-        out_diff=max_over_ranks(_max_diff(holder[0], _shard(ref_out, sp, tp)), device),
-        input_grad_diff=max_over_ranks(_max_diff(xs.grad, _shard(ref_gx, sp, tp)), device),
-        param_grad_diff=max_over_ranks(max(_max_diff(grads[n], ref_grads[n]) for n in ref_grads), device),
-        sent_forward=fwd[0], sent_backward=bwd[0], calls_forward=fwd[1], calls_backward=bwd[1],
-        saved_bytes=gather_per_rank(saved),
-        local_shapes={n: list(p.shape) for n, p in tpb.named_parameters()}, sync_bytes=sync.bytes)
+    return _checked(method, tp.size, sp, tp, holder[0], xs, full_grads(tpb), ref, (fwd, bwd), saved,
+                    {n: list(p.shape) for n, p in tpb.named_parameters()}, device, sync_bytes=sync.bytes)
 
 
 def run_api(method: str, block, x, w, ref, mesh, device) -> BlockResult:
@@ -136,29 +216,22 @@ def run_api(method: str, block, x, w, ref, mesh, device) -> BlockResult:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
-    sequence_parallel = method != "api_tp"
+    sp = method != "api_tp"
     hm = to_head_major(copy.deepcopy(block))
-    parallelize_module(hm, mesh, block_plan(sequence_parallel, keep_dtensor=method != "api_sp_local"))
+    parallelize_module(hm, mesh, block_plan(sp, keep_dtensor=method != "api_sp_local"))
     tp = TPGroup(mesh.get_group())
-    xs = _shard(x, sequence_parallel, tp).clone().requires_grad_()
+    xs = _shard(x, sp, tp).clone().requires_grad_()
     counter, holder = comm.ByteCounter(), []
     with CountDTensorComm(counter, [mesh]):
         saved = saved_bytes_in([hm], lambda: holder.append(hm(xs)))
         fwd = snapshot(counter)
-        (holder[0] * _shard(w, sequence_parallel, tp)).sum().backward()
+        (holder[0] * _shard(w, sp, tp)).sum().backward()
         bwd = since(fwd, counter)
-    ref_out, ref_gx, ref_grads, _ = ref
     n_heads = block.attn.n_heads
     grads = {n: original_layout(n, p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad, n_heads)
              for n, p in hm.named_parameters()}  # full_tensor: a collective outside the counter
     local = {n: list((p.to_local() if isinstance(p, DTensor) else p).shape) for n, p in hm.named_parameters()}
-    return BlockResult(
-        method=method, tp=mesh.size(), dtype=str(x.dtype).removeprefix("torch."),
-        out_diff=max_over_ranks(_max_diff(holder[0], _shard(ref_out, sequence_parallel, tp)), device),
-        input_grad_diff=max_over_ranks(_max_diff(xs.grad, _shard(ref_gx, sequence_parallel, tp)), device),
-        param_grad_diff=max_over_ranks(max(_max_diff(grads[n], ref_grads[n]) for n in ref_grads), device),
-        sent_forward=fwd[0], sent_backward=bwd[0], calls_forward=fwd[1], calls_backward=bwd[1],
-        saved_bytes=gather_per_rank(saved), local_shapes=local)
+    return _checked(method, mesh.size(), sp, tp, holder[0], xs, grads, ref, (fwd, bwd), saved, local, device)
 
 
 def blocks_task(cfg: RunConfig, with_api: bool, device) -> tuple[list[BlockResult], dict[str, int]]:
@@ -183,7 +256,7 @@ def blocks_task(cfg: RunConfig, with_api: bool, device) -> tuple[list[BlockResul
 
 def reference_training(cfg: RunConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process Adam on the whole batch (chapter 09's reference): losses and final parameters by name."""
-    losses, params = zero_compare.reference(cfg)
+    losses, params = reference(cfg)
     return losses, dict(zip((n for n, _ in build_model(cfg).named_parameters()), params))
 
 
@@ -232,7 +305,7 @@ def run_mesh(cfg: RunConfig, dp: int, tp: int, device, ref: tuple[list[float], d
     return MeshResult(
         dp=dp, tp=tp, sequence_parallel=sp, dtype=cfg.dtype, losses=losses,
         max_loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses)),
-        max_param_diff=max(_max_diff(full[n], ref_params[n]) for n in ref_params),
+        max_param_diff=max(max_abs_diff(full[n], ref_params[n]) for n in ref_params),
         held=gather_per_rank(held_bytes(model, opt)), saved_bytes=gather_per_rank(saved),
         tp_sent_per_step={k: v / cfg.steps for k, v in tp_counter.by_op.items()},
         dp_sent_per_step={k: v / cfg.steps for k, v in dp_counter.by_op.items()},
@@ -241,22 +314,12 @@ def run_mesh(cfg: RunConfig, dp: int, tp: int, device, ref: tuple[list[float], d
         step_s=statistics.median(times[1:] if len(times) > 1 else times), param_placements=placements)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", default="ops,byhand,api,mesh", help="comma-separated: ops, byhand, api, mesh")
-    parser.add_argument("--cfg", default=RunConfig().to_json(), help="RunConfig as JSON (the block and the model)")
-    parser.add_argument("--layouts", default="", help="mesh task: comma-separated dp x tp, e.g. 4x1,2x2,1x4")
-    parser.add_argument("--mesh-dtypes", default="float32,float64",
-                        help="mesh task: train each layout in these dtypes (float64: equality to rounding)")
-    a = parser.parse_args()
-    cfg = RunConfig.from_json(a.cfg)
-    tasks = [t for t in a.tasks.split(",") if t]
-    unknown = set(tasks) - {"ops", "byhand", "api", "mesh"}
-    if unknown:
-        raise ValueError(f"unknown task(s) {sorted(unknown)}; choose from ops, byhand, api, mesh")
-    # full_tensor() on a 2-D sharded parameter logs a warning that it gathers in two steps: true, and harmless here
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    rank, world, device = launch.init_distributed()
+TASKS = ("ops", "byhand", "api", "mesh")
+
+
+def run_tasks(a: argparse.Namespace, rank: int, world: int, device: torch.device) -> TPReport:
+    """Every task of ``a.tasks``: one ``TPReport`` from one launch."""
+    cfg, tasks = RunConfig.from_json(a.cfg), launch.pick(a.tasks, TASKS)
     layouts = [tuple(int(v) for v in s.split("x")) for s in a.layouts.split(",") if s] or [(world, 1)]
     for dp, tp in layouts:
         if dp * tp != world:
@@ -275,8 +338,19 @@ def main() -> None:
             c = dataclasses.replace(cfg, dtype=dtype)
             ref = reference_training(c)
             report.meshes += [run_mesh(c, dp, tp, device, ref) for dp, tp in layouts]
-    launch.report(dataclasses.asdict(report))
-    launch.shutdown()
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated from {TASKS}")
+    parser.add_argument("--cfg", default=RunConfig().to_json(), help="RunConfig as JSON (the block and the model)")
+    parser.add_argument("--layouts", default="", help="mesh task: comma-separated dp x tp, e.g. 4x1,2x2,1x4")
+    parser.add_argument("--mesh-dtypes", default="float32,float64",
+                        help="mesh task: train each layout in these dtypes (float64: equality to rounding)")
+    # full_tensor() on a 2-D sharded parameter logs a warning that it gathers in two steps: true, and harmless here
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    launch.serve(parser, run_tasks, check=lambda a: launch.pick(a.tasks, TASKS))
 
 
 if __name__ == "__main__":

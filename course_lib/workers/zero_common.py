@@ -1,13 +1,11 @@
-"""What the chapter-09 workers share: the run's configuration, the model, the data, FSDP2 sharding,
-and the typed results the workers report and the parent side (notebook 09, tests, benchmarks) reads back.
+"""What the chapter-09 workers share: the run's configuration, the model, the data, and the typed results the workers report and the parent side (notebook 09, tests, benchmarks) reads back.
 
 Every rank builds the same model from the same seed and reads the same global
 batch for a given step (a function of the step number, so a resumed run reads
 exactly what an uninterrupted one would), then keeps its own rows of it.
 
-A worker fills the result dataclasses below and reports ``dataclasses.asdict``
-of a ``WorkerResult``; ``run_workers`` launches it and returns
-``WorkerResult.from_dict`` of what rank 0 reported.
+A worker fills the result dataclasses below and reports a ``WorkerResult``;
+``run_workers`` launches it and returns ``WorkerResult.from_dict`` of what rank 0 reported.
 """
 
 from __future__ import annotations
@@ -17,12 +15,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
 from course_lib.data import make_tokens
+from course_lib.distributed import results
 from course_lib.env import seed_everything
-from course_lib.models import TinyTransformer
+from course_lib.models import TinyTransformer, lm_loss
 
 
 @dataclass
@@ -80,50 +77,19 @@ def local_batch(cfg: RunConfig, step: int, rank: int, world: int,
     return x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
 
 
-def mean_over_ranks(value: float, device: torch.device | str = "cpu") -> float:
-    """The mean of a scalar over all ranks (uncounted: a report, not training traffic).
-
-    ``device``: where the backend can reduce (NCCL only reduces CUDA tensors).
-    """
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.item() / dist.get_world_size()
-
-
-def shard_fsdp2(model: TinyTransformer, reshard_after_forward: bool = True,
-                mp_policy: object | None = None, offload_policy: object | None = None) -> TinyTransformer:
-    """ZeRO-3 with FSDP2: one ``fully_shard`` per block, for the embedding and the head, then the root.
-
-    Order matters: inner modules first, so each gets its own all-gather group
-    and the root only collects what is left (here nothing). Passing
-    ``reshard_after_forward`` to the root as well overrides FSDP2's heuristic
-    of keeping the root's parameters between forward and backward, so every
-    parameter is gathered twice per step, as in the paper's stage 3.
-    ``mp_policy``: a ``MixedPrecisionPolicy``; ``offload_policy``: an
-    ``OffloadPolicy`` (``CPUOffloadPolicy()`` keeps the shards on the host,
-    chapter 11), the same for every part.
-    """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-    kwargs: dict = {"reshard_after_forward": reshard_after_forward}
-    for name, policy, kind in (("mp_policy", mp_policy, MixedPrecisionPolicy),
-                               ("offload_policy", offload_policy, OffloadPolicy)):
-        if policy is not None:
-            if not isinstance(policy, kind):
-                raise ValueError(f"{name} must be a {kind.__name__}, got {type(policy).__name__}")
-            kwargs[name] = policy
-    parts: list[nn.Module] = [model.embed, *model.blocks, model.head]
-    for part in parts:
-        fully_shard(part, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
-
-
-def gather_per_rank(obj: object) -> list:
-    """Every rank's ``obj`` (a small picklable value), in rank order, on every rank."""
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+def reference(cfg: RunConfig) -> tuple[list[float], list[torch.Tensor]]:
+    """Single-process Adam on the whole batch: losses and final parameters (what every method must equal)."""
+    model = build_model(cfg)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    losses = []
+    for step in range(cfg.steps):
+        x, y = global_batch(cfg, step)
+        opt.zero_grad()
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for p in model.parameters()]
 
 
 # ----- results: filled by the workers, read by notebook 09, the tests and the benchmarks ----------
@@ -164,10 +130,6 @@ class CompareResult:
     accumulation: int
     ref_losses: list[float] | None
     methods: dict[str, MethodResult]
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "CompareResult":
-        return cls(**{**d, "methods": {m: MethodResult(**r) for m, r in d["methods"].items()}})
 
 
 @dataclass
@@ -220,7 +182,7 @@ class ReshardResult:
 
 
 @dataclass
-class WorkerResult:
+class WorkerResult(results.WorkerResult):
     """What one launch of ``course_lib.workers.zero_compare`` reports: one entry per task it ran."""
 
     world: int
@@ -231,19 +193,6 @@ class WorkerResult:
     resume: ResumeResult | None = None
     reshard: ReshardResult | None = None
     trace: list[str] = field(default_factory=list)  # rank 0's trace files (task ``trace``: one per rank each)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "WorkerResult":
-        def compare(key: str) -> CompareResult | None:
-            return CompareResult.from_dict(d[key]) if d.get(key) else None
-
-        def plain(kind: type, key: str):
-            return kind(**d[key]) if d.get(key) else None
-
-        return cls(world=d["world"], compare=compare("compare"), exact=compare("exact"),
-                   timeline=[BucketTimeline(**t) for t in d.get("timeline", [])], crash=plain(CrashResult, "crash"),
-                   resume=plain(ResumeResult, "resume"), reshard=plain(ReshardResult, "reshard"),
-                   trace=list(d.get("trace") or []))
 
 
 TASKS = ("compare", "exact", "timeline", "trace", "crash", "resume", "reshard")

@@ -49,8 +49,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import statistics
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -59,13 +60,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from course_lib import memory
 from course_lib.distributed import comm, launch
 from course_lib.distributed.ddp import counting_allreduce_hook
+from course_lib.distributed.results import gather_per_rank, max_abs_diff, mean_over_ranks
+from course_lib.distributed.zero import (ZeroOptimizer, count_broadcasts, count_fsdp_traffic, held_bytes,
+                                         shard_fsdp2)
+from course_lib.models import lm_loss
 from course_lib.timing import time_s
 from course_lib.workers.step_trace import trace_zero
-from course_lib.distributed.zero import ZeroOptimizer, count_fsdp_traffic, held_bytes
-from course_lib.models import lm_loss
-from course_lib.workers.zero_common import (BucketTimeline, CompareResult, MethodResult, RunConfig, WorkerResult,
-                                            build_model, gather_per_rank, global_batch, local_batch,
-                                            mean_over_ranks, shard_fsdp2)
+from course_lib.workers.zero_common import (TASKS, BucketTimeline, CompareResult, MethodResult, RunConfig,
+                                            WorkerResult, build_model, local_batch, reference)
 
 # zero2_sync: ZeroOptimizer stage 2 waiting for each reduce-scatter at once (max_in_flight=0), to price the overlap
 METHODS = ("ddp", "zero1", "zero2", "zero_redundancy", "fsdp2", "fsdp2_keep", "fsdp2_bf16", "zero2_sync")
@@ -78,37 +80,6 @@ EXACT_METHODS = ("ddp", "zero1", "zero2", "zero_redundancy", "fsdp2")  # fp32 on
 # asynchronous collectives also free their buffers when gloo's thread gets to them: the lowest of up to four
 # measured steps is the one where they were freed in time.
 MEASURED_STEPS = (2, 3, 4, 5)
-
-
-def reference(cfg: RunConfig) -> tuple[list[float], list[torch.Tensor]]:
-    """Single-process Adam on the whole batch: losses and final parameters (what every method must equal)."""
-    model = build_model(cfg)
-    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    losses = []
-    for step in range(cfg.steps):
-        x, y = global_batch(cfg, step)
-        opt.zero_grad()
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, [p.detach().clone() for p in model.parameters()]
-
-
-@contextlib.contextmanager
-def count_broadcasts(counter: comm.ByteCounter) -> Iterator[None]:
-    """Count every ``dist.broadcast`` made inside the block (ZeroRedundancyOptimizer's parameter sync)."""
-    original = dist.broadcast
-
-    def counted(tensor, src, *args, **kwargs):
-        counter.add("broadcast", comm.ring_factor("broadcast", dist.get_world_size()) * comm.nbytes(tensor))
-        return original(tensor, src, *args, **kwargs)
-
-    dist.broadcast = counted
-    try:
-        yield
-    finally:
-        dist.broadcast = original
 
 
 def forward_backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, micro_batches: int,
@@ -141,57 +112,47 @@ def _setup(method: str, cfg: RunConfig, device: torch.device) -> _Method:
     """The model, its step and meters for ``method``."""
     counter = comm.ByteCounter()
     model = build_model(cfg, device)
-    a = cfg.accumulation
-    if method in ("ddp", "zero_redundancy"):
-        # gradient_as_bucket_view: the buckets *are* the .grad tensors, else DDP holds the gradients twice
-        model = DDP(model, gradient_as_bucket_view=True)
-        model.register_comm_hook(None, counting_allreduce_hook(counter))
-        if method == "ddp":
-            opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-        else:
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-            opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=cfg.lr)
-
-        def zero_grad():
-            opt.zero_grad(set_to_none=False)  # keep the bucket views
-
-        def step(x, y):
-            zero_grad()
-            loss = forward_backward(model, x, y, a, model.no_sync)  # accumulate locally, all-reduce once
-            with count_broadcasts(counter):
-                opt.step()
-            return loss
-        return _Method(model, zero_grad, step, lambda: held_bytes(model, opt), counter)
+    no_sync, sync_counter = None, contextlib.nullcontext
     if method in ("zero1", "zero2", "zero2_sync"):
-        zopt = ZeroOptimizer(model, torch.optim.Adam, 1 if method == "zero1" else 2, bucket_cap_mb=cfg.bucket_mb,
-                             lr=cfg.lr, **({"max_in_flight": 0} if method == "zero2_sync" else {}))
+        opt = ZeroOptimizer(model, torch.optim.Adam, 1 if method == "zero1" else 2, bucket_cap_mb=cfg.bucket_mb,
+                            lr=cfg.lr, **({"max_in_flight": 0} if method == "zero2_sync" else {}))
+        zero_grad, held, counter = opt.zero_grad, opt.state_bytes, opt.counter  # stage 2: reduce-scatters in backward
+    else:
+        if method in ("ddp", "zero_redundancy"):
+            # gradient_as_bucket_view: the buckets *are* the .grad tensors, else DDP holds the gradients twice
+            model = DDP(model, gradient_as_bucket_view=True)
+            model.register_comm_hook(None, counting_allreduce_hook(counter))
+            no_sync = model.no_sync  # accumulate locally, all-reduce once
+            sync_counter = functools.partial(count_broadcasts, counter)  # ZeroRedundancyOptimizer's broadcasts
+            if method == "zero_redundancy":
+                from torch.distributed.optim import ZeroRedundancyOptimizer
+                opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=cfg.lr)
+        elif method.startswith("fsdp2"):
+            mp = None
+            if method == "fsdp2_bf16":
+                from torch.distributed.fsdp import MixedPrecisionPolicy
+                # gather and compute in bf16, reduce the gradients in fp32 (the usual recipe)
+                mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            shard_fsdp2(model, reshard_after_forward=(method != "fsdp2_keep"), mp_policy=mp)
+            count_fsdp_traffic(model, counter)  # FSDP2 reduce-scatters after every micro-batch by default
+        else:
+            raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+        if method != "zero_redundancy":
+            opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
 
-        def step(x, y):
-            zopt.zero_grad()
-            loss = forward_backward(model, x, y, a)  # stage 2 reduce-scatters during every backward
-            zopt.step()
-            return loss
-        return _Method(model, zopt.zero_grad, step, zopt.state_bytes, zopt.counter)
-    if method.startswith("fsdp2"):
-        mp = None
-        if method == "fsdp2_bf16":
-            from torch.distributed.fsdp import MixedPrecisionPolicy
-            # gather and compute in bf16, reduce the gradients in fp32 (the usual recipe)
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        shard_fsdp2(model, reshard_after_forward=(method != "fsdp2_keep"), mp_policy=mp)
-        count_fsdp_traffic(model, counter)
-        opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+        def zero_grad() -> None:  # keep the gradient buffers: DDP's bucket views, FSDP2's 1/N shards
+            opt.zero_grad(set_to_none=False)
 
-        def zero_grad():
-            opt.zero_grad(set_to_none=False)  # keep the sharded gradients (1/N), as the ZeRO stages keep theirs
+        def held() -> dict[str, int]:
+            return held_bytes(model, opt)
 
-        def step(x, y):
-            zero_grad()
-            loss = forward_backward(model, x, y, a)  # FSDP2 reduce-scatters after every micro-batch by default
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        zero_grad()
+        loss = forward_backward(model, x, y, cfg.accumulation, no_sync)
+        with sync_counter():
             opt.step()
-            return loss
-        return _Method(model, zero_grad, step, lambda: held_bytes(model, opt), counter)
-    raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+        return loss
+    return _Method(model, zero_grad, step, held, counter)
 
 
 def measure_step(m: _Method, x: torch.Tensor, y: torch.Tensor, device: torch.device) -> tuple[int, int, float]:
@@ -243,10 +204,6 @@ def run_method(method: str, cfg: RunConfig, rank: int, world: int,
     return result, full
 
 
-def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max((x.double() - y.double()).abs().max().item() for x, y in zip(a, b))
-
-
 def compare(cfg: RunConfig, methods: list[str], rank: int, world: int, device: torch.device) -> CompareResult:
     """Every method; rank 0 also trains the reference and measures each method's distance from it and from DDP."""
     ref_losses, ref_params = reference(cfg) if rank == 0 else (None, None)
@@ -255,12 +212,12 @@ def compare(cfg: RunConfig, methods: list[str], rank: int, world: int, device: t
     for name in methods:
         r, finals[name] = run_method(name, cfg, rank, world, device)
         if rank == 0:
-            r.max_param_diff = _max_diff(finals[name], ref_params)
+            r.max_param_diff = max_abs_diff(finals[name], ref_params)
             r.max_loss_diff = max(abs(a - b) for a, b in zip(r.losses, ref_losses))
         results[name] = r
     if rank == 0 and "ddp" in finals:
         for name in methods:
-            results[name].max_param_diff_vs_ddp = _max_diff(finals[name], finals["ddp"])
+            results[name].max_param_diff_vs_ddp = max_abs_diff(finals[name], finals["ddp"])
     return CompareResult(world=world, device=device.type, num_params=num_params, dtype=cfg.dtype,
                          accumulation=cfg.accumulation, ref_losses=ref_losses, methods=results)
 
@@ -292,23 +249,21 @@ def timeline(cfg: RunConfig, rank: int, world: int, device: torch.device) -> lis
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", default="compare", help="comma-separated: compare, exact, timeline, crash, "
-                                                           "resume, reshard")
+    parser.add_argument("--tasks", default="compare", help=f"comma-separated from {TASKS}")
     parser.add_argument("--methods", default=",".join(METHODS[:5]), help=f"comma-separated from {METHODS}")
     parser.add_argument("--cfg", default=RunConfig().to_json(), help="RunConfig as JSON")
     parser.add_argument("--ckpt-dir", default=None, help="checkpoint folder for crash/resume/reshard")
     parser.add_argument("--every", type=int, default=2, help="checkpoint every this many steps")
     parser.add_argument("--crash-at", type=int, default=4, help="crash task: die while saving at this step")
     parser.add_argument("--trace-dir", default=None, help="trace task: folder for the ranks' trace files")
-    a = parser.parse_args()
-    cfg = RunConfig.from_json(a.cfg)
-    tasks = [t for t in a.tasks.split(",") if t]
-    methods = [m for m in a.methods.split(",") if m]
-    for m in methods:
-        if m not in METHODS:
-            raise ValueError(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
-    rank, world, device = launch.init_distributed()
+    launch.serve(parser, run_tasks, check=lambda a: launch.pick(a.methods, METHODS, "method"))
+
+
+def run_tasks(a: argparse.Namespace, rank: int, world: int, device: torch.device) -> WorkerResult:
+    """Every task of ``a.tasks``, in order: one ``WorkerResult`` field each."""
     from course_lib.workers import dcp_checkpoint  # imported here: the checkpoint tasks are optional
+
+    cfg, methods = RunConfig.from_json(a.cfg), launch.pick(a.methods, METHODS, "method")
     # float64, and two micro-batches per step where the rows allow: equal to Adam under accumulation too
     exact_cfg = dataclasses.replace(cfg, dtype="float64", accumulation=2 if cfg.batch % (2 * world) == 0 else 1)
     tasks_fn: dict[str, Callable[[], object]] = {
@@ -321,16 +276,13 @@ def main() -> None:
         "reshard": lambda: dcp_checkpoint.reshard_load(cfg, a.ckpt_dir, device),
     }
     result = WorkerResult(world=world)
-    for t in tasks:
-        if t not in tasks_fn:
-            raise ValueError(f"unknown task {t!r}; choose from {', '.join(tasks_fn)}")
+    for t in launch.pick(a.tasks, TASKS):
         if t in ("crash", "resume", "reshard") and not a.ckpt_dir:
             raise ValueError(f"task {t!r} needs --ckpt-dir")
         if t == "trace" and not a.trace_dir:
             raise ValueError("task 'trace' needs --trace-dir")
         setattr(result, t, tasks_fn[t]())
-    launch.report(dataclasses.asdict(result))
-    launch.shutdown()
+    return result
 
 
 if __name__ == "__main__":

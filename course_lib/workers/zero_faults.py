@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from course_lib.distributed import launch
 from course_lib.distributed.results import WorkerResult
 from course_lib.distributed.zero import ZeroOptimizer
-from course_lib.workers.zero_common import gather_per_rank
+from course_lib.distributed.results import gather_per_rank
 
 DTYPE = torch.float64
 LR = 1e-2
@@ -186,22 +186,22 @@ def clip_case(rank: int, world: int) -> ClipCase:
                     misuse_errors=gather_per_rank(misuse))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    launch.add_timeout_arg(parser)
-    parser.add_argument("--cases", default="skip,twice,clip", help="comma-separated: skip, twice, clip")
-    a = parser.parse_args()
-    rank, world, _ = launch.init_distributed(timeout_s=a.pg_timeout)
+CASES = {"skip": skip_case, "twice": twice_case, "clip": clip_case}
+
+
+def run_cases(a: argparse.Namespace, rank: int, world: int, device: torch.device) -> FaultChecks:
     if world != 2:
         raise ValueError(f"zero_faults runs on 2 ranks, got {world}")
-    cases = {"skip": skip_case, "twice": twice_case, "clip": clip_case}
     result = FaultChecks()
-    for name in a.cases.split(","):
-        if name not in cases:
-            raise ValueError(f"unknown case {name!r}; choose from {', '.join(cases)}")
-        setattr(result, name, cases[name](rank, world))
-    launch.report(result)
-    launch.shutdown()
+    for name in launch.pick(a.cases, tuple(CASES), "case"):
+        setattr(result, name, CASES[name](rank, world))
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default="skip,twice,clip", help="comma-separated: skip, twice, clip")
+    launch.serve(parser, run_cases)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""What the chapter-10 workers share: torch's tensor-parallel plans, a 2-D mesh, and meters.
+"""Tensor parallelism through torch's API: plans, a 2-D mesh, and meters for DTensor (chapter 10).
 
 The real API splits a module by *plan*: ``parallelize_module(block, mesh,
 {"attn.qkv": ColwiseParallel(), ...})`` replaces each named submodule's
@@ -6,7 +6,8 @@ parameters by DTensors (a local shard plus its placement on the mesh) and
 wraps its forward so inputs and outputs are redistributed as the plan says.
 DTensor runs its collectives as torch's functional collectives
 (``torch.ops._c10d_functional``); ``CountDTensorComm`` counts those with the
-ring formulas of ``comm``, as ``comm``'s wrappers do for the hand-written layers.
+ring formulas of ``comm``, as ``comm``'s wrappers do for the hand-written
+layers of ``tensor_parallel``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
@@ -22,8 +22,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from course_lib.distributed import comm
-from course_lib.distributed.tensor_parallel import (SEQ, ColumnParallelLinear, HeadMajorAttention,
-                                                    RowParallelLinear, head_major_order)
+from course_lib.distributed.tensor_parallel import SEQ, HeadMajorAttention, head_major_order
 from course_lib.models import TinyTransformer
 
 
@@ -206,39 +205,4 @@ def since(before: tuple[dict, dict], counter: comm.ByteCounter) -> tuple[dict[st
     b, c = before
     return ({k: v - b.get(k, 0.0) for k, v in counter.by_op.items() if v - b.get(k, 0.0)},
             {k: v - c.get(k, 0) for k, v in counter.calls.items() if v - c.get(k, 0)})
-
-
-def full_grads(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Every gradient of a hand-split module as the single-process layer has it (a collective, uncounted).
-
-    Column-parallel shards are gathered along dimension 0 and put back in the
-    layer's row order; row-parallel weights along dimension 1; the rest is whole.
-    """
-    split: dict[int, tuple[nn.Module, int]] = {}
-    for m in module.modules():
-        if isinstance(m, ColumnParallelLinear):
-            split |= {id(p): (m, 0) for p in (m.weight, m.bias) if p is not None}
-        elif isinstance(m, RowParallelLinear):
-            split[id(m.weight)] = (m, 1)
-    out = {}
-    for name, p in module.named_parameters():
-        if id(p) not in split:
-            out[name] = p.grad
-            continue
-        layer, dim = split[id(p)]
-        parts = [torch.empty_like(p.grad) for _ in range(layer.tp.size)]
-        dist.all_gather(parts, p.grad.contiguous(), group=layer.tp.group)
-        full = torch.cat(parts, dim=dim)
-        if dim == 0:  # rank r held rows order.chunk(t)[r]: put every row back in its place
-            full = full[torch.argsort(layer.order).to(full.device)]
-        out[name] = full
-    return out
-
-
-def max_over_ranks(value: float, device: torch.device | str = "cpu") -> float:
-    """The largest of a scalar over all ranks (uncounted: a check, not training traffic)."""
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
 
