@@ -105,11 +105,12 @@ def test_torchaos_default_recipe_is_the_hand_written_one(claims) -> None:
 
 def test_torchaos_layer_computes_what_fp8linear_computes(claims) -> None:
     c = claims["ch06/torchao_vs_hand"]
-    # the same casts and _scaled_mm: measured 3e-7 (smoke) and 0 (cpu) for the logits, 2e-4 and 5e-5 at most for the
-    # weight gradients (torchao's scales can differ from FP8Linear's in their last bit). On a GPU its forward
+    # the same casts and _scaled_mm: measured 3e-7 (smoke) and 0 (cpu) for the logits with AVX-512 kernels, 1.3e-4
+    # (cpu) with AVX2 ones, 2e-4 and 5e-5 at most for the weight gradients (torchao computes its scales in float64,
+    # so some differ from FP8Linear's in their last bit, and one e4m3 step is 1/8 of a value). On a GPU its forward
     # accumulates fast and FP8Linear's does not: looser bounds there, not measured here
     gpu = PROFILE == "gpu"
-    assert c["out_vs_hand"] < (1e-2 if gpu else 1e-5), c
+    assert c["out_vs_hand"] < (1e-2 if gpu else 1e-3), c
     assert c["grad_vs_hand_max"] < (1e-2 if gpu else 1e-3), c
     assert c["out_vs_fp32"] > 10 * c["out_vs_hand"], c
     assert c["grad_vs_fp32_max"] > (10 if gpu else 100) * c["grad_vs_hand_max"], c  # measured 500x, 1900x
