@@ -39,11 +39,11 @@ import torch.nn.functional as F
 from course_lib import memory, timing
 from course_lib.distributed import context_parallel as cp
 from course_lib.distributed import launch
+from course_lib.distributed.experiment import RunConfig, build_model, global_batch, local_batch, reference
 from course_lib.distributed.results import WorkerResult, gather_per_rank, max_abs_diff
 from course_lib.distributed.zero import ZeroOptimizer, held_bytes
 from course_lib.env import seed_everything
 from course_lib.models import TransformerBlock, lm_loss
-from course_lib.workers.zero_common import RunConfig, build_model, global_batch, local_batch, reference
 
 TASKS = ("exact", "saved", "train", "api", "overlap")
 OVERLAP_REPEATS = 10  # timed passes per rank: the median of ten steadies a busy machine's noise

@@ -37,11 +37,11 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                      get_state_dict, set_state_dict)
 
+from course_lib.distributed.experiment import RunConfig, build_model, local_batch
 from course_lib.distributed.results import mean_over_ranks
 from course_lib.distributed.zero import shard_fsdp2
 from course_lib.models import lm_loss
-from course_lib.workers.zero_common import (CrashResult, ReshardResult, ResumeResult, RunConfig, build_model,
-                                            local_batch)
+from course_lib.workers.zero_common import CrashResult, ReshardResult, ResumeResult
 
 CKPT = re.compile(r"^step_(\d{6})$")
 KILLED_EXIT = 75  # the exit code of a rank killed on purpose during a save (any non-zero code would do)

@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from course_lib import memory, timing
 from course_lib.distributed import comm, launch
+from course_lib.distributed.experiment import RunConfig, build_model, local_batch, reference
 from course_lib.distributed.results import (WorkerResult, gather_per_rank, max_abs_diff, max_over_ranks,
                                             mean_over_ranks)
 from course_lib.distributed.tensor_parallel import (SEQ, TPBlock, TPGroup, copy_to_tp, full_grads, gather_from_sequence,
@@ -44,7 +45,6 @@ from course_lib.distributed.tp_api import (CountDTensorComm, block_plan, origina
 from course_lib.distributed.zero import count_fsdp_traffic, held_bytes
 from course_lib.env import seed_everything
 from course_lib.models import lm_loss
-from course_lib.workers.zero_common import RunConfig, build_model, local_batch, reference
 
 # ----- what one launch reports: the notebook and the tests rebuild it with TPReport.from_dict -----
 
