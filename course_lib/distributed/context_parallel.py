@@ -390,6 +390,23 @@ class Ring:
                 bufs)
 
 
+_DP_GROUPS: dict[int, list[dist.ProcessGroup]] = {}  # dp -> its rings' groups, made once per process
+
+
+def data_parallel_ring(T: int, dp: int) -> Ring:
+    """This rank's ring when the ranks form ``dp`` data-parallel groups of ``world / dp`` consecutive ranks,
+    each group one ring over the whole sequence. Every rank makes every group, once, as ``new_group`` requires."""
+    world = dist.get_world_size()
+    if dp < 1 or world % dp:
+        raise ValueError(f"{dp} data-parallel groups do not divide the {world} ranks")
+    if dp == 1:
+        return Ring.of(T)
+    c = world // dp
+    if dp not in _DP_GROUPS:
+        _DP_GROUPS[dp] = [dist.new_group(list(range(g * c, (g + 1) * c))) for g in range(dp)]
+    return Ring.of(T, group=_DP_GROUPS[dp][dist.get_rank() // c])
+
+
 KV_TAG, DKV_TAG = 0, 1  # the backward has a K, V and a dK, dV message in flight at once
 PASS_OPS = {"forward": ("ring_kv",), "backward": ("ring_kv_bwd", "ring_dkv")}  # the counter's names, per pass
 

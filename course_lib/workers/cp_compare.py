@@ -94,23 +94,6 @@ def _summed_diffs(model: torch.nn.Module, loss: torch.Tensor, one: torch.nn.Modu
     return abs(total.item() - ref_loss.item()), grads
 
 
-_GROUPS: dict[int, list[dist.ProcessGroup]] = {}
-
-
-def rings(T: int, dp: int) -> cp.Ring:
-    """This rank's ring when the ranks form ``dp`` data-parallel groups of ``world / dp`` consecutive ranks (the
-    groups are made once, by every rank, as ``new_group`` requires)."""
-    world = dist.get_world_size()
-    if dp < 1 or world % dp:
-        raise ValueError(f"{dp} data-parallel groups do not divide the {world} ranks")
-    if dp == 1:
-        return cp.Ring.of(T)
-    c = world // dp
-    if dp not in _GROUPS:
-        _GROUPS[dp] = [dist.new_group(list(range(g * c, (g + 1) * c))) for g in range(dp)]
-    return cp.Ring.of(T, group=_GROUPS[dp][dist.get_rank() // c])
-
-
 def exact_task(cfg: RunConfig, layout: str, device: torch.device) -> LayoutResult:
     rank, world = dist.get_rank(), dist.get_world_size()
     T, C, H = cfg.seq_len, cfg.d_model, cfg.n_heads
@@ -152,8 +135,8 @@ def exact_task(cfg: RunConfig, layout: str, device: torch.device) -> LayoutResul
 
 def saved_task(cfg: RunConfig, device: torch.device, dp: int = 1) -> dict[str, list[int]]:
     """Bytes one block saves: on each rank under CP, and in one process (same code; the course's block). With
-    ``dp`` data-parallel groups (``rings``), a group's ``batch / dp`` sequences around its ring."""
-    ring = rings(cfg.seq_len, dp)
+    ``dp`` data-parallel groups (``cp.data_parallel_ring``), a group's ``batch / dp`` sequences around its ring."""
+    ring = cp.data_parallel_ring(cfg.seq_len, dp)
     rank, world = ring.rank, ring.world
     block = build_model(cfg, device).blocks[0]
     params = list(block.parameters())
@@ -191,7 +174,7 @@ def train_task(cfg: RunConfig, device: torch.device, dp: int = 1, zero_stage: in
     rank, world = dist.get_rank(), dist.get_world_size()
     if zero_stage not in (0, 1, 2):
         raise ValueError(f"the train task runs ZeRO stages 0-2, got {zero_stage}")
-    ring = rings(cfg.seq_len, dp)
+    ring = cp.data_parallel_ring(cfg.seq_len, dp)
     c = ring.world
     ref_losses, _ = reference(cfg)  # one process, the whole batch: what the ring must equal
     model = build_model(cfg, device)
