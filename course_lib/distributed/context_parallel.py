@@ -515,6 +515,13 @@ def attention_forward(attn: nn.Module, x: torch.Tensor, ring: Ring) -> torch.Ten
     return attn.proj(y.transpose(1, 2).reshape(B, n, C))
 
 
+def block_forward(block: nn.Module, x: torch.Tensor, ring: Ring) -> torch.Tensor:
+    """A ``models.TransformerBlock`` on this rank's positions ``x`` (``B, T/c, C``): attention over the ring,
+    every other layer position-wise, as in one process."""
+    x = x + attention_forward(block.attn, block.ln1(x), ring)
+    return x + block.mlp(block.ln2(x))
+
+
 def model_forward(model: nn.Module, idx: torch.Tensor, ring: Ring) -> torch.Tensor:
     """A ``models.TinyTransformer``'s logits for this rank's tokens ``idx`` (``B, T/c``), its own weights.
 
@@ -524,8 +531,7 @@ def model_forward(model: nn.Module, idx: torch.Tensor, ring: Ring) -> torch.Tens
     pos = ring.positions().to(idx.device)
     x = model.embed.tok(idx) + model.embed.pos(pos)
     for block in model.blocks:
-        x = x + attention_forward(block.attn, block.ln1(x), ring)
-        x = x + block.mlp(block.ln2(x))
+        x = block_forward(block, x, ring)
     return model.head(x)
 
 

@@ -142,14 +142,10 @@ def saved_task(cfg: RunConfig, device: torch.device, dp: int = 1) -> dict[str, l
     params = list(block.parameters())
     x = torch.randn(cfg.batch // dp, cfg.seq_len, cfg.d_model, device=device, requires_grad=True)
 
-    def cp_block(x_local: torch.Tensor, ring: cp.Ring) -> torch.Tensor:
-        h = x_local + cp.attention_forward(block.attn, block.ln1(x_local), ring)
-        return h + block.mlp(block.ln2(h))
-
     local = cp.shard(x.detach(), world, rank, "zigzag").requires_grad_()
     # the block's input counts: in a model it is the previous block's output, kept for this block's backward
-    per_rank = gather_per_rank(memory.saved_activation_bytes(lambda: cp_block(local, ring), exclude=params))
-    one = memory.saved_activation_bytes(lambda: cp_block(x, cp.Ring(cfg.seq_len)), exclude=params)
+    per_rank = gather_per_rank(memory.saved_activation_bytes(lambda: cp.block_forward(block, local, ring), exclude=params))
+    one = memory.saved_activation_bytes(lambda: cp.block_forward(block, x, cp.Ring(cfg.seq_len)), exclude=params)
     naive = memory.saved_activation_bytes(lambda: block(x), exclude=params)
     fused = TransformerBlock(cfg.d_model, cfg.n_heads, cfg.seq_len, fused=True).to(device)
     fused.load_state_dict(block.state_dict())
@@ -166,7 +162,7 @@ def train_task(cfg: RunConfig, device: torch.device, dp: int = 1, zero_stage: in
     stage 2 the gradients, sharded over all the ranks). ZeroOptimizer averages over its ranks, as DDP does, and
     a rank's loss is its share of a sum: the backward runs on the share times the world, whose mean is the sum.
 
-    The peak is measured as ``zero_compare`` measures it: what the rank holds at the start of the step (its
+    The peak is measured as ``dp_methods.measure_step`` measures it: what the rank holds at the start of the step (its
     states and its shard of the batch, counted tensor by tensor) plus the highest transient above that (from
     step 1 on, when Adam's state exists; the lower of the measured steps kept). Gradients are zeroed, not
     freed, so that nothing allocated before the CPU profiler started is freed inside its window.
