@@ -95,6 +95,11 @@ def split_sequential(model: nn.Sequential, num_stages: int) -> list[nn.Sequentia
     return pieces
 
 
+def micro_batches(x: torch.Tensor, m: int) -> list[torch.Tensor]:
+    """``x`` cut into ``m`` micro-batches, separate tensors as a data loader hands them out (not views of ``x``)."""
+    return [c.clone() for c in x.chunk(m)]
+
+
 @torch.no_grad()
 def boundary_shapes(stages: Sequence[nn.Module], sample: torch.Tensor) -> list[Shape]:
     """Shape and dtype of the tensor that enters each stage, for one micro-batch ``sample``.
@@ -352,6 +357,13 @@ def run_stage(stage: nn.Module | Sequence[nn.Module], schedule: Schedule, rank: 
     mail.finish()
     end = clock.mark()
     return meter.result(rank, start, end, [o.cpu() for o in outputs], [loss.item() * div for loss in losses])
+
+
+def grad_diff(mods: list[nn.Module], refs: list[nn.Module]) -> float:
+    """The largest gradient difference of pipeline stages ``mods`` from the sequential model's ``refs`` (frozen
+    parameters, with no reference gradient, left out)."""
+    return max([(p.grad.cpu() - r.grad).abs().max().item() for mod, ref in zip(mods, refs)
+                for p, r in zip(mod.parameters(), ref.parameters()) if r.grad is not None], default=0.0)
 
 
 def measured_bubble(runs: Sequence[StageRun]) -> dict[str, float]:

@@ -32,8 +32,8 @@ from course_lib.data import make_tokens
 from course_lib.distributed import launch
 from course_lib.distributed.clock import Clock, clock_for
 from course_lib.distributed.pipeline import make_schedule, simulate
-from course_lib.distributed.pipeline_exec import (StageRun, boundary_shapes, fastest_of, run_stage, split_sequential,
-                                                  timeline)
+from course_lib.distributed.pipeline_exec import (StageRun, boundary_shapes, fastest_of, grad_diff, micro_batches,
+                                                  run_stage, split_sequential, timeline)
 from course_lib.distributed.pipeline_freeze import ActivationCache, freeze, frozen_schedule, repack
 from course_lib.distributed.results import WorkerResult, gather_on_first
 from course_lib.env import seed_everything
@@ -92,22 +92,10 @@ def tiny_model(a: argparse.Namespace, stages: int, seed: int | None = None) -> T
                            n_layers=layers if layers > 0 else max(1, 2 * stages - 2), max_len=a.seq_len)
 
 
-def micro_batches(x: torch.Tensor, m: int) -> list[torch.Tensor]:
-    """``x`` cut into ``m`` micro-batches, separate tensors as a data loader hands them out (not views of ``x``)."""
-    return [c.clone() for c in x.chunk(m)]
-
-
 def _clear(mods: list[nn.Module]) -> None:
     for mod in mods:
         for p in mod.parameters():
             p.grad = None
-
-
-def grad_diff(mods: list[nn.Module], refs: list[nn.Module]) -> float:
-    """The largest gradient difference of pipeline stages ``mods`` from the sequential model's ``refs`` (frozen
-    parameters, with no reference gradient, left out)."""
-    return max([(p.grad.cpu() - r.grad).abs().max().item() for mod, ref in zip(mods, refs)
-                for p, r in zip(mod.parameters(), ref.parameters()) if r.grad is not None], default=0.0)
 
 
 def freeze_steps(a: argparse.Namespace, k: int, m: int, repeats: int, rank: int, world: int, device: torch.device,
