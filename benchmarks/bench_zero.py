@@ -12,7 +12,8 @@ Peaks per rank and step times are plain figures (times are noisy on a shared CPU
 
 from __future__ import annotations
 
-from course_lib.workers.zero_common import RunConfig, run_workers
+from course_lib.distributed.experiment import RunConfig
+from course_lib.workers.zero_common import run_workers
 
 WORLD = 4
 CFG = RunConfig(d_model=128, n_layers=4, seq_len=16, batch=8, steps=5, bucket_mb=0.25)

@@ -111,7 +111,7 @@ def evaluate(model: nn.Module, loader: DataLoader, loss_fn: LossFn = F.cross_ent
 
 
 def _generator(seed: int, index: int) -> torch.Generator:
-    """A generator seeded by the pair (seed, index), as chapter 09's ``zero_common`` seeds each step's batch."""
+    """A generator seeded by the pair (seed, index), as chapter 09's ``experiment.global_batch`` seeds each step's batch."""
     return torch.Generator().manual_seed((seed * 100_003 + index) % 2**63)
 
 

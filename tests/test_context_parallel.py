@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 from course_lib.distributed import context_parallel as cp
 from course_lib.distributed import launch
+from course_lib.distributed.experiment import RunConfig
 from course_lib.workers.cp_compare import CPReport
-from course_lib.workers.zero_common import RunConfig
 
 CFG = RunConfig(vocab=40, d_model=32, n_heads=4, n_layers=2, seq_len=16, batch=2, steps=3)
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from course_lib.distributed import launch
-from course_lib.workers.zero_common import RunConfig
+from course_lib.distributed.experiment import RunConfig
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CPUOffloadPolicy pins host memory: it needs CUDA")
 

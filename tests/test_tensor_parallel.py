@@ -16,11 +16,11 @@ import torch.distributed as dist
 
 from course_lib import memory
 from course_lib.distributed import comm, launch, tp_costs
+from course_lib.distributed.experiment import RunConfig, build_model
 from course_lib.distributed.tensor_parallel import (ColumnParallelLinear, HeadMajorAttention, TPBlock, TPGroup,
                                                     head_major_order, sync_replicated_grads)
 from course_lib.distributed.tp_api import saved_bytes_in
 from course_lib.workers.tp_compare import TPReport
-from course_lib.workers.zero_common import RunConfig, build_model
 
 CFG = RunConfig(vocab=40, d_model=48, n_heads=4, n_layers=2, seq_len=8, batch=4, steps=2)
 WORLD = 4

@@ -18,10 +18,11 @@ import torch.distributed as dist
 
 from course_lib import memory
 from course_lib.distributed import zero
+from course_lib.distributed.experiment import RunConfig, build_model, global_batch
 from course_lib.distributed.zero import (ZeroOptimizer, bucket_sizes, count_fsdp_traffic, held_bytes, shard_bounds,
                                          zero_bytes_per_rank)
 from course_lib.models import lm_loss
-from course_lib.workers.zero_common import RunConfig, build_model, global_batch, run_workers
+from course_lib.workers.zero_common import run_workers
 
 
 @pytest.mark.parametrize("numel", [0, 1, 7, 12, 30145])

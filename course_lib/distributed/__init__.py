@@ -6,11 +6,15 @@
 - ``comm``: collectives that count the bytes they send, batched point-to-point messages, a ring all-reduce by hand.
 - ``ddp``: ``NaiveDDP`` and ``BucketedDDP``, the teaching versions of ``DistributedDataParallel`` (chapter 07);
   ``ddp_dynamic``: ``DynamicBucketedDDP``, for hook counts, unused parameters and re-sends.
+- ``experiment``: the run chapters 09-12 compare their methods on (sizes, model, batches, single-process reference);
+  ``dp_methods``: one step of DDP, ZeRO-1/2, ZeroRedundancyOptimizer or FSDP2 on it, measured.
 - ``zero``: ZeRO-1/2 by hand (``ZeroOptimizer``) and FSDP2's traffic and memory measured (chapter 09).
   Its pieces: ``zero_buckets`` (the flat layout), ``zero_stage1`` and ``zero_stage2`` (each stage's gradients),
   ``zero_agreement`` (what the ranks agree on so that none is left waiting).
+- ``sharded_checkpoint``: an FSDP2 model's checkpoint saved shard by shard, atomically, and loaded at any world size.
 - ``tensor_parallel``: Megatron's column- and row-parallel layers, f and g, sequence parallelism (chapter 10);
   ``tp_costs``: their bytes, activations and traffic in formulas (chapter 10, and the capstone's planner).
+  ``tp_api``: the same with torch's API; ``tp_checks``: a split block and a (dp, tp) mesh against one process.
 
 Worker entry points live in ``course_lib.workers``.
 """

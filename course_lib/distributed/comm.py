@@ -138,24 +138,28 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_s
 
 
 @contextlib.contextmanager
-def handed_bytes(name: str) -> Iterator[list[int]]:
+def calls_to(name: str, record: Callable[[object], object]) -> Iterator[list]:
+    """Inside the block, record ``record(first argument)`` of every call to ``torch.distributed.<name>``."""
+    original, seen = getattr(dist, name), []
+
+    def spy(first, *args, **kwargs):
+        seen.append(record(first))
+        return original(first, *args, **kwargs)
+
+    setattr(dist, name, spy)
+    try:
+        yield seen
+    finally:
+        setattr(dist, name, original)
+
+
+def handed_bytes(name: str) -> contextlib.AbstractContextManager[list[int]]:
     """Inside the block, record the bytes of every tensor handed to ``torch.distributed.<name>``.
 
     A meter independent of ``ByteCounter``: what the process group was really
     given (e.g. the buckets torch DDP sends), not what a formula says.
     """
-    original = getattr(dist, name)
-    sizes: list[int] = []
-
-    def spy(tensor, *args, **kwargs):
-        sizes.append(nbytes(tensor))
-        return original(tensor, *args, **kwargs)
-
-    setattr(dist, name, spy)
-    try:
-        yield sizes
-    finally:
-        setattr(dist, name, original)
+    return calls_to(name, nbytes)
 
 
 class Message(NamedTuple):

@@ -390,6 +390,23 @@ class Ring:
                 bufs)
 
 
+_DP_GROUPS: dict[int, list[dist.ProcessGroup]] = {}  # dp -> its rings' groups, made once per process
+
+
+def data_parallel_ring(T: int, dp: int) -> Ring:
+    """This rank's ring when the ranks form ``dp`` data-parallel groups of ``world / dp`` consecutive ranks,
+    each group one ring over the whole sequence. Every rank makes every group, once, as ``new_group`` requires."""
+    world = dist.get_world_size()
+    if dp < 1 or world % dp:
+        raise ValueError(f"{dp} data-parallel groups do not divide the {world} ranks")
+    if dp == 1:
+        return Ring.of(T)
+    c = world // dp
+    if dp not in _DP_GROUPS:
+        _DP_GROUPS[dp] = [dist.new_group(list(range(g * c, (g + 1) * c))) for g in range(dp)]
+    return Ring.of(T, group=_DP_GROUPS[dp][dist.get_rank() // c])
+
+
 KV_TAG, DKV_TAG = 0, 1  # the backward has a K, V and a dK, dV message in flight at once
 PASS_OPS = {"forward": ("ring_kv",), "backward": ("ring_kv_bwd", "ring_dkv")}  # the counter's names, per pass
 
@@ -498,6 +515,13 @@ def attention_forward(attn: nn.Module, x: torch.Tensor, ring: Ring) -> torch.Ten
     return attn.proj(y.transpose(1, 2).reshape(B, n, C))
 
 
+def block_forward(block: nn.Module, x: torch.Tensor, ring: Ring) -> torch.Tensor:
+    """A ``models.TransformerBlock`` on this rank's positions ``x`` (``B, T/c, C``): attention over the ring,
+    every other layer position-wise, as in one process."""
+    x = x + attention_forward(block.attn, block.ln1(x), ring)
+    return x + block.mlp(block.ln2(x))
+
+
 def model_forward(model: nn.Module, idx: torch.Tensor, ring: Ring) -> torch.Tensor:
     """A ``models.TinyTransformer``'s logits for this rank's tokens ``idx`` (``B, T/c``), its own weights.
 
@@ -507,8 +531,7 @@ def model_forward(model: nn.Module, idx: torch.Tensor, ring: Ring) -> torch.Tens
     pos = ring.positions().to(idx.device)
     x = model.embed.tok(idx) + model.embed.pos(pos)
     for block in model.blocks:
-        x = x + attention_forward(block.attn, block.ln1(x), ring)
-        x = x + block.mlp(block.ln2(x))
+        x = block_forward(block, x, ring)
     return model.head(x)
 
 

@@ -55,9 +55,10 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence, TypeVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from course_lib.distributed import comm
@@ -67,10 +68,12 @@ from course_lib.distributed.pipeline_messages import (message_batches, op_links,
                                                       peak_sends_held, send_releases)
 from course_lib.distributed.pipeline_split import (OpCounter, WeightGrads, backward_input, backward_weight,
                                                    recording_activations)
+from course_lib.distributed.results import gather_on_first
 from course_lib.memory import saved_activation_bytes
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Shape = tuple[tuple[int, ...], torch.dtype]
+T = TypeVar("T")
 
 
 def split_sequential(model: nn.Sequential, num_stages: int) -> list[nn.Sequential]:
@@ -90,6 +93,11 @@ def split_sequential(model: nn.Sequential, num_stages: int) -> list[nn.Sequentia
         pieces.append(nn.Sequential(*layers[start:start + size]))
         start += size
     return pieces
+
+
+def micro_batches(x: torch.Tensor, m: int) -> list[torch.Tensor]:
+    """``x`` cut into ``m`` micro-batches, separate tensors as a data loader hands them out (not views of ``x``)."""
+    return [c.clone() for c in x.chunk(m)]
 
 
 @torch.no_grad()
@@ -351,6 +359,13 @@ def run_stage(stage: nn.Module | Sequence[nn.Module], schedule: Schedule, rank: 
     return meter.result(rank, start, end, [o.cpu() for o in outputs], [loss.item() * div for loss in losses])
 
 
+def grad_diff(mods: list[nn.Module], refs: list[nn.Module]) -> float:
+    """The largest gradient difference of pipeline stages ``mods`` from the sequential model's ``refs`` (frozen
+    parameters, with no reference gradient, left out)."""
+    return max([(p.grad.cpu() - r.grad).abs().max().item() for mod, ref in zip(mods, refs)
+                for p, r in zip(mod.parameters(), ref.parameters()) if r.grad is not None], default=0.0)
+
+
 def measured_bubble(runs: Sequence[StageRun]) -> dict[str, float]:
     """Makespan and idle share of a real run, from every rank's busy intervals.
 
@@ -373,3 +388,25 @@ def timeline(runs: Sequence[dict]) -> tuple[dict[str, float], list[tuple[int, st
     stages = [StageRun(r["rank"], r["start"], r["end"], busy=r["busy"]) for r in runs]
     t0 = min(s.start for s in stages)
     return measured_bubble(stages), [(s.rank, op, i, b - t0, e - t0) for s in stages for op, i, b, e in s.busy]
+
+
+def fastest_of(repeats: int, attempt: Callable[[], tuple[dict[str, float], Callable[[], T]]], device: torch.device,
+               end: str = "end") -> T:
+    """Run ``attempt`` ``repeats`` times on every rank and keep the fastest step: what its ``keep`` returned.
+
+    ``attempt()`` runs one step and returns this rank's ``{"start": s, end: e}`` seconds and ``keep``, called
+    only when the step is the fastest so far (it reads what the next attempt overwrites, the gradients).
+    Rank 0 measures the span (the last ``end`` minus the first start) and broadcasts it, so that every rank
+    keeps the same attempt.
+    """
+    best: tuple[float, T] | None = None
+    for _ in range(repeats):
+        times, keep = attempt()
+        runs = gather_on_first(times)
+        span = torch.tensor([0.0 if runs is None else max(r[end] for r in runs) - min(r["start"] for r in runs)],
+                            device=device)  # on the group's device: NCCL broadcasts CUDA tensors only
+        dist.broadcast(span, 0)
+        if best is None or span.item() < best[0]:
+            best = (span.item(), keep())
+    assert best is not None, "repeats must be at least 1"
+    return best[1]

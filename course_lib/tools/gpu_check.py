@@ -280,7 +280,8 @@ def _worker_env() -> dict[str, str]:
 def check_zero_fsdp(device: torch.device) -> Measured:
     """DDP, ZeRO-1/2 by hand, FSDP2 (fp32 and bf16) on one rank per GPU: chapter 09's worker, a short run."""
     from course_lib.distributed import launch, zero
-    from course_lib.workers.zero_common import RunConfig, WorkerResult
+    from course_lib.distributed.experiment import RunConfig
+    from course_lib.workers.zero_common import WorkerResult
 
     world = max(_gpus(), 1)
     cfg = RunConfig(d_model=128, n_layers=2, seq_len=64, batch=8 * world, steps=3)
@@ -313,7 +314,7 @@ def check_ddp(device: torch.device) -> Measured:
 def check_fsdp_offload(device: torch.device) -> Measured:
     """Chapter 11's FSDP2 with and without CPUOffloadPolicy (pinned host memory), on up to two GPUs."""
     from course_lib.distributed import launch
-    from course_lib.workers.zero_common import RunConfig
+    from course_lib.distributed.experiment import RunConfig
 
     world = min(max(_gpus(), 1), 2)
     cfg = RunConfig(d_model=256, n_layers=2, seq_len=64, batch=4 * world, steps=2)

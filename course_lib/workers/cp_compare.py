@@ -39,11 +39,11 @@ import torch.nn.functional as F
 from course_lib import memory, timing
 from course_lib.distributed import context_parallel as cp
 from course_lib.distributed import launch
+from course_lib.distributed.experiment import RunConfig, build_model, global_batch, local_batch, reference
 from course_lib.distributed.results import WorkerResult, gather_per_rank, max_abs_diff
 from course_lib.distributed.zero import ZeroOptimizer, held_bytes
 from course_lib.env import seed_everything
 from course_lib.models import TransformerBlock, lm_loss
-from course_lib.workers.zero_common import RunConfig, build_model, global_batch, local_batch, reference
 
 TASKS = ("exact", "saved", "train", "api", "overlap")
 OVERLAP_REPEATS = 10  # timed passes per rank: the median of ten steadies a busy machine's noise
@@ -94,23 +94,6 @@ def _summed_diffs(model: torch.nn.Module, loss: torch.Tensor, one: torch.nn.Modu
     return abs(total.item() - ref_loss.item()), grads
 
 
-_GROUPS: dict[int, list[dist.ProcessGroup]] = {}
-
-
-def rings(T: int, dp: int) -> cp.Ring:
-    """This rank's ring when the ranks form ``dp`` data-parallel groups of ``world / dp`` consecutive ranks (the
-    groups are made once, by every rank, as ``new_group`` requires)."""
-    world = dist.get_world_size()
-    if dp < 1 or world % dp:
-        raise ValueError(f"{dp} data-parallel groups do not divide the {world} ranks")
-    if dp == 1:
-        return cp.Ring.of(T)
-    c = world // dp
-    if dp not in _GROUPS:
-        _GROUPS[dp] = [dist.new_group(list(range(g * c, (g + 1) * c))) for g in range(dp)]
-    return cp.Ring.of(T, group=_GROUPS[dp][dist.get_rank() // c])
-
-
 def exact_task(cfg: RunConfig, layout: str, device: torch.device) -> LayoutResult:
     rank, world = dist.get_rank(), dist.get_world_size()
     T, C, H = cfg.seq_len, cfg.d_model, cfg.n_heads
@@ -152,21 +135,17 @@ def exact_task(cfg: RunConfig, layout: str, device: torch.device) -> LayoutResul
 
 def saved_task(cfg: RunConfig, device: torch.device, dp: int = 1) -> dict[str, list[int]]:
     """Bytes one block saves: on each rank under CP, and in one process (same code; the course's block). With
-    ``dp`` data-parallel groups (``rings``), a group's ``batch / dp`` sequences around its ring."""
-    ring = rings(cfg.seq_len, dp)
+    ``dp`` data-parallel groups (``cp.data_parallel_ring``), a group's ``batch / dp`` sequences around its ring."""
+    ring = cp.data_parallel_ring(cfg.seq_len, dp)
     rank, world = ring.rank, ring.world
     block = build_model(cfg, device).blocks[0]
     params = list(block.parameters())
     x = torch.randn(cfg.batch // dp, cfg.seq_len, cfg.d_model, device=device, requires_grad=True)
 
-    def cp_block(x_local: torch.Tensor, ring: cp.Ring) -> torch.Tensor:
-        h = x_local + cp.attention_forward(block.attn, block.ln1(x_local), ring)
-        return h + block.mlp(block.ln2(h))
-
     local = cp.shard(x.detach(), world, rank, "zigzag").requires_grad_()
     # the block's input counts: in a model it is the previous block's output, kept for this block's backward
-    per_rank = gather_per_rank(memory.saved_activation_bytes(lambda: cp_block(local, ring), exclude=params))
-    one = memory.saved_activation_bytes(lambda: cp_block(x, cp.Ring(cfg.seq_len)), exclude=params)
+    per_rank = gather_per_rank(memory.saved_activation_bytes(lambda: cp.block_forward(block, local, ring), exclude=params))
+    one = memory.saved_activation_bytes(lambda: cp.block_forward(block, x, cp.Ring(cfg.seq_len)), exclude=params)
     naive = memory.saved_activation_bytes(lambda: block(x), exclude=params)
     fused = TransformerBlock(cfg.d_model, cfg.n_heads, cfg.seq_len, fused=True).to(device)
     fused.load_state_dict(block.state_dict())
@@ -183,7 +162,7 @@ def train_task(cfg: RunConfig, device: torch.device, dp: int = 1, zero_stage: in
     stage 2 the gradients, sharded over all the ranks). ZeroOptimizer averages over its ranks, as DDP does, and
     a rank's loss is its share of a sum: the backward runs on the share times the world, whose mean is the sum.
 
-    The peak is measured as ``zero_compare`` measures it: what the rank holds at the start of the step (its
+    The peak is measured as ``dp_methods.measure_step`` measures it: what the rank holds at the start of the step (its
     states and its shard of the batch, counted tensor by tensor) plus the highest transient above that (from
     step 1 on, when Adam's state exists; the lower of the measured steps kept). Gradients are zeroed, not
     freed, so that nothing allocated before the CPU profiler started is freed inside its window.
@@ -191,7 +170,7 @@ def train_task(cfg: RunConfig, device: torch.device, dp: int = 1, zero_stage: in
     rank, world = dist.get_rank(), dist.get_world_size()
     if zero_stage not in (0, 1, 2):
         raise ValueError(f"the train task runs ZeRO stages 0-2, got {zero_stage}")
-    ring = rings(cfg.seq_len, dp)
+    ring = cp.data_parallel_ring(cfg.seq_len, dp)
     c = ring.world
     ref_losses, _ = reference(cfg)  # one process, the whole batch: what the ring must equal
     model = build_model(cfg, device)

@@ -165,8 +165,12 @@ def _wrap(kind: str, model: nn.Module, ddp_kwargs: dict, cap_mb: float | None,
     raise ValueError(kind)
 
 
-def _sync(model: nn.Module) -> None:
-    if hasattr(model, "finish_gradient_synchronization"):  # torch DDP synchronises inside backward
+def _backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, micro_batches: int = 1, sync: bool = True,
+              **forward_kw) -> None:
+    """The backward of the loss (its share of ``micro_batches``); with ``sync``, the gradients then averaged over
+    the ranks (our wrappers' ``finish_gradient_synchronization``; torch DDP averages inside backward)."""
+    (F.cross_entropy(model(x, **forward_kw), y) / micro_batches).backward()
+    if sync and hasattr(model, "finish_gradient_synchronization"):
         model.finish_gradient_synchronization()
 
 
@@ -185,8 +189,7 @@ def compare_scenario(name: str, rank: int, world: int, batch: int, steps: int, s
         history = []
         for s in range(steps):
             opt.zero_grad(set_to_none=True)
-            F.cross_entropy(model(inputs[s], use_aux=use_aux(s)), targets[s]).backward()
-            _sync(model)
+            _backward(model, inputs[s], targets[s], use_aux=use_aux(s))
             history.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
             opt.step()
         return history
@@ -224,8 +227,7 @@ def _median_step_ms(models: dict[str, nn.Module], x: torch.Tensor, y: torch.Tens
             start = clock.mark()
             for _ in range(steps):
                 opts[kind].zero_grad(set_to_none=True)
-                F.cross_entropy(model(x), y).backward()
-                _sync(model)
+                _backward(model, x, y)
                 opts[kind].step()
             elapsed = torch.tensor([clock.elapsed(start, clock.mark()) / steps], device=x.device)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
@@ -253,8 +255,7 @@ def timing(world: int, rank: int, batch: int, in_features: int, hidden: list[int
             counter.reset()
             model.zero_grad(set_to_none=True)
             with comm.handed_bytes("all_reduce") as handed:
-                F.cross_entropy(model(x), y).backward()
-                _sync(model)
+                _backward(model, x, y)
         sent[kind] = Sent(counter.bytes, counter.calls.get("all_reduce", 0), sum(handed), len(handed))
     return Timing(ms, clock.name, sent, grad_bytes=sum(comm.nbytes(p) for p in base.parameters()),
                   params=sum(p.numel() for p in base.parameters()), tensors=len(list(base.parameters())),
@@ -280,10 +281,8 @@ def no_sync_counts(rank: int, world: int, batch: int, k: int, steps: int, seed: 
                 for j, (x, y) in enumerate(micro):
                     last = j == k - 1
                     ctx = model.no_sync() if (use_no_sync and not last) else contextlib.nullcontext()
-                    with ctx:
-                        (F.cross_entropy(model(x), y) / k).backward()  # / k: the mean over the k micro-batches
-                        if not use_no_sync or last:
-                            _sync(model)
+                    with ctx:  # / k: the mean over the k micro-batches
+                        _backward(model, x, y, micro_batches=k, sync=not use_no_sync or last)
                 last_grads[use_no_sync] = [p.grad.clone() for p in model.parameters() if p.grad is not None]
                 model.zero_grad(set_to_none=True)
             (out.no_sync if use_no_sync else out.every_micro_batch)[kind] = counter.calls.get("all_reduce", 0)

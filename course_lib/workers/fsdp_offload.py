@@ -29,10 +29,10 @@ from torch import nn
 
 from course_lib import memory, timing
 from course_lib.distributed import launch
+from course_lib.distributed.experiment import RunConfig, build_model, local_batch
 from course_lib.distributed.results import gather_per_rank, mean_over_ranks
 from course_lib.distributed.zero import shard_fsdp2
 from course_lib.models import lm_loss
-from course_lib.workers.zero_common import RunConfig, build_model, local_batch
 
 MODES = ("none", "cpu")
 

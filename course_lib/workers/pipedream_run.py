@@ -29,10 +29,11 @@ from course_lib.distributed import launch
 from course_lib.distributed.clock import CpuClock
 from course_lib.distributed.pipedream import WeightStash, async_order
 from course_lib.distributed.pipeline import make_schedule
-from course_lib.distributed.pipeline_exec import StageRun, boundary_shapes, run_stage, split_sequential, timeline
+from course_lib.distributed.pipeline_exec import (StageRun, boundary_shapes, micro_batches, run_stage, split_sequential,
+                                                  timeline)
 from course_lib.distributed.results import WorkerResult, gather_on_first
 from course_lib.models import lm_loss
-from course_lib.workers.pipeline_freeze_run import micro_batches, tiny_model
+from course_lib.workers.pipeline_freeze_run import tiny_model
 
 
 @dataclass

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,8 @@ from course_lib.data import make_tokens
 from course_lib.distributed import launch
 from course_lib.distributed.clock import Clock, clock_for
 from course_lib.distributed.pipeline import make_schedule, simulate
-from course_lib.distributed.pipeline_exec import StageRun, boundary_shapes, run_stage, split_sequential, timeline
+from course_lib.distributed.pipeline_exec import (StageRun, boundary_shapes, fastest_of, grad_diff, micro_batches,
+                                                  run_stage, split_sequential, timeline)
 from course_lib.distributed.pipeline_freeze import ActivationCache, freeze, frozen_schedule, repack
 from course_lib.distributed.results import WorkerResult, gather_on_first
 from course_lib.env import seed_everything
@@ -90,22 +92,10 @@ def tiny_model(a: argparse.Namespace, stages: int, seed: int | None = None) -> T
                            n_layers=layers if layers > 0 else max(1, 2 * stages - 2), max_len=a.seq_len)
 
 
-def micro_batches(x: torch.Tensor, m: int) -> list[torch.Tensor]:
-    """``x`` cut into ``m`` micro-batches, separate tensors as a data loader hands them out (not views of ``x``)."""
-    return [c.clone() for c in x.chunk(m)]
-
-
 def _clear(mods: list[nn.Module]) -> None:
     for mod in mods:
         for p in mod.parameters():
             p.grad = None
-
-
-def grad_diff(mods: list[nn.Module], refs: list[nn.Module]) -> float:
-    """The largest gradient difference of pipeline stages ``mods`` from the sequential model's ``refs`` (frozen
-    parameters, with no reference gradient, left out)."""
-    return max([(p.grad.cpu() - r.grad).abs().max().item() for mod, ref in zip(mods, refs)
-                for p, r in zip(mod.parameters(), ref.parameters()) if r.grad is not None], default=0.0)
 
 
 def freeze_steps(a: argparse.Namespace, k: int, m: int, repeats: int, rank: int, world: int, device: torch.device,
@@ -139,17 +129,12 @@ def freeze_steps(a: argparse.Namespace, k: int, m: int, repeats: int, rank: int,
 
     counted = step(world, False, True)          # also the warm-up: first messages, first backward
     counted_ops = [(rank, op, i, n) for (op, i, *_), n in zip(counted.busy, counted.op_counts)]
-    best = None
-    for _ in range(repeats):
+
+    def padded() -> tuple[dict[str, float], Callable[[], tuple]]:
         run = step(m, True, False)
-        runs = gather_on_first({"rank": rank, "start": run.start, "end": run.end, "busy": run.busy})
-        span = torch.tensor([0.0 if runs is None else max(r["end"] for r in runs) - min(r["start"] for r in runs)],
-                            device=device)  # broadcast: on the group's device (NCCL needs CUDA)
-        dist.broadcast(span, 0)                  # every rank keeps the same repeat: the fastest
-        if best is None or span.item() < best[0]:
-            best = (span.item(), run, grad_diff([mine_mod], [refs[rank]]),
-                    all(p.grad is None for p in mine_mod.parameters()))
-    _, run, gdiff, no_grads = best
+        return {"start": run.start, "end": run.end}, lambda: (
+            run, grad_diff([mine_mod], [refs[rank]]), all(p.grad is None for p in mine_mod.parameters()))
+    run, gdiff, no_grads = fastest_of(repeats, padded, device)
     mine = {"rank": rank, "start": run.start, "end": run.end, "busy": run.busy, "ops": counted_ops,
             "bytes": run.peak_activation_bytes, "messages": run.sent_messages, "sent": run.sent_bytes,
             "diff": gdiff, "none": no_grads, "losses": run.losses, "overruns": run.overruns}
@@ -175,8 +160,9 @@ def freeze_steps(a: argparse.Namespace, k: int, m: int, repeats: int, rank: int,
     scale = max(plan.layers_per_stage) / per_old  # a stage's ops take as long as its layers
     pad_r = None if pad is None else {op: t * scale for op, t in pad.items()}
     flat_bytes = sum(p_.numel() * p_.element_size() for p_ in new_mod.parameters())
-    best_r = None
-    for _ in range(repeats):
+    refs_new = split_sequential(nn.Sequential(*list(reference.as_sequential())[plan.frozen_layers:]), K)
+
+    def repacked_step() -> tuple[dict[str, float], Callable[[], tuple]]:
         _clear([new_mod])
         inputs = None
         if cache is not None:                    # served from the cache: the prefix runs in the first repeat only
@@ -193,15 +179,9 @@ def freeze_steps(a: argparse.Namespace, k: int, m: int, repeats: int, rank: int,
         for g, part in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(part.view_as(g))
         done = clock.mark()
-        rr = gather_on_first({"rank": rank, "start": r_run.start, "end": r_run.end, "done": clock.seconds(done),
-                              "busy": r_run.busy, "losses": r_run.losses})
-        span = torch.tensor([0.0 if rr is None else max(r["done"] for r in rr) - min(r["start"] for r in rr)],
-                            device=device)
-        dist.broadcast(span, 0)
-        if best_r is None or span.item() < best_r[0]:
-            refs_new = split_sequential(nn.Sequential(*list(reference.as_sequential())[plan.frozen_layers:]), K)
-            best_r = (span.item(), r_run, done, grad_diff([new_mod], [refs_new[local]]))
-    _, r_run, done, rdiff = best_r
+        return ({"start": r_run.start, "done": clock.seconds(done)},
+                lambda: (r_run, done, grad_diff([new_mod], [refs_new[local]])))
+    r_run, done, rdiff = fastest_of(repeats, repacked_step, device, end="done")
     mine = {"rank": rank, "start": r_run.start, "end": r_run.end, "done": clock.seconds(done), "busy": r_run.busy,
             "diff": rdiff, "losses": r_run.losses, "bytes": r_run.peak_activation_bytes,
             "cache": None if cache is None else [cache.nbytes, cache.num_samples, cache.computed, cache.hits]}

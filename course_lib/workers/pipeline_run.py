@@ -34,11 +34,10 @@ from course_lib.distributed import launch
 from course_lib.distributed.clock import Clock, clock_for
 from course_lib.distributed.results import WorkerResult, gather_on_first
 from course_lib.distributed.pipeline import KINDS, bubble_formula, make_schedule, simulate, zb_h1_bubble_formula
-from course_lib.distributed.pipeline_exec import (boundary_shapes, peak_sends_held, run_stage, split_sequential,
-                                                  timeline)
+from course_lib.distributed.pipeline_exec import (boundary_shapes, grad_diff, micro_batches, peak_sends_held, run_stage,
+                                                  split_sequential, timeline)
 from course_lib.models import lm_loss
-from course_lib.workers.pipeline_freeze_run import (FreezeRun, add_model_args, freeze_steps, grad_diff, micro_batches,
-                                                    tiny_model)
+from course_lib.workers.pipeline_freeze_run import FreezeRun, add_model_args, freeze_steps, tiny_model
 
 
 def _ints(text: str) -> list[int]:

@@ -22,14 +22,12 @@ Every tensor lives on the rank's device (a GPU under NCCL). Rank 0 reports an
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -84,22 +82,6 @@ def _write_pid(pid_dir: str | None, name: str, pid: int) -> None:
         Path(pid_dir, f"{name}.pid").write_text(str(pid))
 
 
-@contextlib.contextmanager
-def _batches_posted() -> Iterator[list[list[str]]]:
-    """Record the op names of every ``dist.batch_isend_irecv`` call inside the block."""
-    original, seen = dist.batch_isend_irecv, []
-
-    def spy(ops):
-        seen.append([op.op.__name__ for op in ops])
-        return original(ops)
-
-    dist.batch_isend_irecv = spy
-    try:
-        yield seen
-    finally:
-        dist.batch_isend_irecv = original
-
-
 def _comm_checks(rank: int, world: int, device: torch.device) -> CommChecks:
     """Counts and results of every counting collective, for numels divisible by N and not."""
     ring = {}
@@ -110,7 +92,8 @@ def _comm_checks(rank: int, world: int, device: torch.device) -> CommChecks:
         dist.all_reduce(expected)
         c = comm.ByteCounter()
         y = x.clone()
-        with _batches_posted() as batches:
+        # the ops of every dist.batch_isend_irecv call: a ring step posts its send and receive together
+        with comm.calls_to("batch_isend_irecv", lambda ops: [op.op.__name__ for op in ops]) as batches:
             comm.ring_all_reduce(y, counter=c)
         ring[str(numel)] = RingCheck((y - expected).abs().max().item(), c.bytes, comm.nbytes(x), batches)
     c = comm.ByteCounter()

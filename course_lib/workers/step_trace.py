@@ -84,7 +84,7 @@ def trace_ddp(rank: int, world: int, device: torch.device, out: str | Path, in_f
 def trace_zero(cfg, rank: int, world: int, device: torch.device, out: str | Path) -> list[str]:
     """Trace one step of ZeRO-1 and of ZeRO-2 (``ZeroOptimizer``) on ``cfg``'s tiny transformer (a ``RunConfig``)."""
     from course_lib.distributed.zero import ZeroOptimizer
-    from course_lib.workers.zero_common import build_model, local_batch
+    from course_lib.distributed.experiment import build_model, local_batch
 
     x, y = local_batch(cfg, 0, rank, world, device)
     written = []
@@ -111,14 +111,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--what", choices=("ddp", "zero"), default="ddp")
     parser.add_argument("--out", required=True, help="folder for the trace files")
-    parser.add_argument("--cfg", default=None, help="zero: a zero_common.RunConfig as JSON")
+    parser.add_argument("--cfg", default=None, help="zero: an experiment.RunConfig as JSON")
     launch.serve(parser, run_trace)
 
 
 def run_trace(a: argparse.Namespace, rank: int, world: int, device: torch.device) -> dict:
     if a.what == "ddp":
         return {"files": trace_ddp(rank, world, device, a.out), "world": world}
-    from course_lib.workers.zero_common import RunConfig
+    from course_lib.distributed.experiment import RunConfig
     files = trace_zero(RunConfig.from_json(a.cfg) if a.cfg else RunConfig(), rank, world, device, a.out)
     return {"files": files, "world": world}
 

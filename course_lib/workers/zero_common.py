@@ -1,8 +1,8 @@
-"""What the chapter-09 workers share: the run's configuration, the model, the data, and the typed results the workers report and the parent side (notebook 09, tests, benchmarks) reads back.
+"""What the chapter-09 workers report and the parent side (notebook 09, tests, benchmarks) reads back, typed.
 
-Every rank builds the same model from the same seed and reads the same global
-batch for a given step (a function of the step number, so a resumed run reads
-exactly what an uninterrupted one would), then keeps its own rows of it.
+The run they share (its ``RunConfig``, the model, the batches, the
+single-process reference) is ``course_lib.distributed.experiment``; the
+methods they train, ``course_lib.distributed.dp_methods``.
 
 A worker fills the result dataclasses below and reports a ``WorkerResult``;
 ``run_workers`` launches it and returns ``WorkerResult.from_dict`` of what rank 0 reported.
@@ -10,113 +10,12 @@ A worker fills the result dataclasses below and reports a ``WorkerResult``;
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
-from course_lib.data import make_tokens
 from course_lib.distributed import results
-from course_lib.env import seed_everything
-from course_lib.models import TinyTransformer, lm_loss
-
-
-@dataclass
-class RunConfig:
-    """Sizes of one chapter-09 run; the global batch is split evenly over the ranks."""
-
-    vocab: int = 64
-    d_model: int = 64
-    n_heads: int = 4
-    n_layers: int = 2
-    seq_len: int = 32
-    batch: int = 8          # global batch: the same whatever the world size
-    steps: int = 6
-    lr: float = 3e-3
-    seed: int = 0
-    dtype: str = "float32"  # "float64" makes rounding negligible, for exact-equality checks
-    accumulation: int = 1   # micro-batches per step on each rank (its rows of the batch, split evenly)
-    bucket_mb: float = 0.25  # ZeroOptimizer's bucket cap, MiB: small against these models' gradients
-
-    def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "float64"):
-            raise ValueError(f"dtype must be 'float32' or 'float64', got {self.dtype!r}")
-        if self.accumulation < 1 or self.bucket_mb <= 0:
-            raise ValueError(f"need accumulation >= 1 and bucket_mb > 0, got {self.accumulation}, {self.bucket_mb}")
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> "RunConfig":
-        return cls(**json.loads(text))
-
-
-def build_model(cfg: RunConfig, device: torch.device | str = "cpu") -> TinyTransformer:
-    """The tiny transformer, seeded: every rank (and the single-process reference) gets the same weights."""
-    seed_everything(cfg.seed)
-    return TinyTransformer(vocab=cfg.vocab, d_model=cfg.d_model, n_heads=cfg.n_heads, n_layers=cfg.n_layers,
-                           max_len=cfg.seq_len).to(device=device, dtype=getattr(torch, cfg.dtype))
-
-
-def global_batch(cfg: RunConfig, step: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole batch of ``step`` (inputs, targets), identical on every rank and in every run."""
-    x, y = make_tokens(cfg.batch, cfg.seq_len, vocab=cfg.vocab, seed=cfg.seed * 100_003 + step)
-    return x.to(device), y.to(device)
-
-
-def local_batch(cfg: RunConfig, step: int, rank: int, world: int,
-                device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's rows of the global batch of ``step``."""
-    if cfg.batch % (world * cfg.accumulation):
-        raise ValueError(f"global batch {cfg.batch} does not split evenly over {world} ranks x "
-                         f"{cfg.accumulation} micro-batches; choose a multiple of {world * cfg.accumulation}")
-    b = cfg.batch // world
-    x, y = global_batch(cfg, step, device)
-    return x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
-
-
-def reference(cfg: RunConfig) -> tuple[list[float], list[torch.Tensor]]:
-    """Single-process Adam on the whole batch: losses and final parameters (what every method must equal)."""
-    model = build_model(cfg)
-    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    losses = []
-    for step in range(cfg.steps):
-        x, y = global_batch(cfg, step)
-        opt.zero_grad()
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, [p.detach().clone() for p in model.parameters()]
-
-
-# ----- results: filled by the workers, read by notebook 09, the tests and the benchmarks ----------
-
-
-@dataclass
-class MethodResult:
-    """One training method's run. Lists hold one entry per rank; bytes are per rank."""
-
-    losses: list[float]              # per step, the mean over ranks
-    held: list[dict[str, int]]       # params, grads, optimizer state after the last step
-    resident: list[int]              # at the start of the measured step: model states and the batch
-    batch_bytes: list[int]           # of which the batch (this rank's inputs and targets)
-    peak: list[int]                  # resident + the highest transient during zero_grad+forward+backward+step
-    sent_per_step: list[float]       # bytes sent (ring formulas of ``comm``)
-    sent_by_op: dict[str, float]     # rank 0, per collective
-    calls_per_step: dict[str, float]  # rank 0, per collective
-    step_s: float                    # median seconds per step, rank 0
-    max_param_diff: float | None = None         # rank 0, from single-process Adam on the whole batch
-    max_loss_diff: float | None = None
-    max_param_diff_vs_ddp: float | None = None
-    example_param: dict | None = None           # FSDP2: type, placements and shapes of a sharded parameter
-
-    @property
-    def transient(self) -> list[int]:
-        """Bytes above the resident ones at the peak: activations, buckets, gathered layers, temporaries."""
-        return [p - r for p, r in zip(self.peak, self.resident)]
+from course_lib.distributed.dp_methods import MethodResult
+from course_lib.distributed.experiment import RunConfig
 
 
 @dataclass

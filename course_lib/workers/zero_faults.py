@@ -85,6 +85,12 @@ def _flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
+def _ranks_equal(model: nn.Module) -> bool:
+    """Every rank holds exactly the same parameters."""
+    flats = gather_per_rank(_flat(model))
+    return all(torch.equal(flats[0], f) for f in flats)
+
+
 # The micro-batches each rank runs in each step: "batch" (a real one), "frozen" (a loss that reaches no trainable
 # parameter); an empty list: no backward at all.
 PLAN = {0: [["batch", "batch"]] * 3, 1: [["batch"], ["frozen"], []]}
@@ -113,8 +119,7 @@ def skip_case(rank: int, world: int) -> SkipCase:
                     (_loss(ref, _batch(step, r, micro)) / 2 / world).backward()
         ref_opt.step()
     diff = (_flat(model) - _flat(ref)).abs().max().item()
-    flats = gather_per_rank(_flat(model))
-    return SkipCase(max_diff=gather_per_rank(diff), ranks_equal=all(torch.equal(flats[0], f) for f in flats),
+    return SkipCase(max_diff=gather_per_rank(diff), ranks_equal=_ranks_equal(model),
                     control_calls=gather_per_rank(opt.control_calls))
 
 
@@ -145,8 +150,7 @@ def twice_case(rank: int, world: int) -> TwiceCase:
     opt.zero_grad()
     model(x.detach()).pow(2).mean().backward()
     opt.step()
-    flats = gather_per_rank(_flat(model))
-    return TwiceCase(errors=gather_per_rank(error), then_ok=all(torch.equal(flats[0], f) for f in flats))
+    return TwiceCase(errors=gather_per_rank(error), then_ok=_ranks_equal(model))
 
 
 def clip_case(rank: int, world: int) -> ClipCase:
