@@ -339,4 +339,10 @@ def serve(parser: argparse.ArgumentParser, work: Callable[[argparse.Namespace, i
     result = work(args, rank, world, device)
     if result is not None:
         report(result)
+    if dist.get_backend() == "gloo":
+        # Every rank waits here for the others before any closes its connections: a rank that left at once could
+        # close a pair a slower peer still reads from, and gloo's I/O thread then aborts that peer ("terminate
+        # called without an active exception", seen once in chapter 08's PipeDream run). A rank that failed never
+        # gets here: torchrun stops the others, so this cannot hang a failed run.
+        dist.barrier()
     shutdown()
