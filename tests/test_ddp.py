@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from course_lib.distributed import launch
+from course_lib.distributed.clock import CpuClock, slowest_rank_s
 from course_lib.distributed.ddp import BucketedDDP, NaiveDDP, assign_buckets
+from course_lib.distributed.ddp_checks import labelled
 from course_lib.distributed.ddp_dynamic import DynamicBucketedDDP
 from course_lib.models import MLP
 from course_lib.workers.ddp_compare import SUPPORTED, CompareResult
@@ -118,3 +122,15 @@ def test_wrappers_need_a_process_group():
         BucketedDDP(MLP(8, (4,)), bucket_cap_mb=0)
     with pytest.raises(RuntimeError, match="process group"):
         DynamicBucketedDDP(MLP(8, (4,)))
+
+
+def test_labelled_draws_inputs_then_labels_and_slowest_rank_s_times_a_call():
+    x, y = labelled(torch.Generator().manual_seed(0), (3, 4), (5,), torch.device("cpu"))
+    assert x.shape == (3, 4, 5) and y.shape == (3, 4) and 0 <= y.min() and y.max() < 10
+    assert torch.equal(x, torch.randn(3, 4, 5, generator=torch.Generator().manual_seed(0)))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        wall, cpu = slowest_rank_s(lambda: sum(range(100_000)), CpuClock(), "cpu")
+        assert wall > 0 and cpu >= 0
+    finally:
+        dist.destroy_process_group()

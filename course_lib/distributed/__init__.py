@@ -5,7 +5,9 @@
 - ``clock``: timing on the CPU (``perf_counter``) or the GPU (CUDA events), with padding to a fixed duration.
 - ``comm``: collectives that count the bytes they send, batched point-to-point messages, a ring all-reduce by hand.
 - ``ddp``: ``NaiveDDP`` and ``BucketedDDP``, the teaching versions of ``DistributedDataParallel`` (chapter 07);
-  ``ddp_dynamic``: ``DynamicBucketedDDP``, for hook counts, unused parameters and re-sends.
+  ``ddp_dynamic``: ``DynamicBucketedDDP``, for hook counts, unused parameters and re-sends; ``sync_batchnorm``:
+  SyncBatchNorm by hand; ``ddp_checks``: the wrappers against one process, counted and timed; ``step_traces``:
+  one profiled step of DDP or ZeRO per rank.
 - ``experiment``: the run chapters 09-12 compare their methods on (sizes, model, batches, single-process reference);
   ``dp_methods``: one step of DDP, ZeRO-1/2, ZeroRedundancyOptimizer or FSDP2 on it, measured.
 - ``zero``: ZeRO-1/2 by hand (``ZeroOptimizer``) and FSDP2's traffic and memory measured (chapter 09).

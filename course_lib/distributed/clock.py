@@ -19,7 +19,7 @@ max(its work, ``seconds``) on the GPU's own timeline, with no synchronisation.
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -126,3 +126,18 @@ class CudaClock:
 def clock_for(device: torch.device | str) -> Clock:
     """``CudaClock`` for a CUDA device, ``CpuClock`` otherwise."""
     return CudaClock(device) if torch.device(device).type == "cuda" else CpuClock()
+
+
+def slowest_rank_s(fn: Callable[[], object], clock: Clock, device: torch.device | str) -> tuple[float, float]:
+    """Seconds ``fn()`` takes when every rank starts it together, as slow as the slowest rank; and this rank's
+    CPU seconds of it (``time.process_time``). A collective: every rank calls it."""
+    import torch.distributed as dist
+
+    from course_lib.distributed.results import max_over_ranks
+
+    dist.barrier()  # start together, so one rank's time does not include waiting for another's
+    start, cpu_start = clock.mark(), time.process_time()
+    fn()
+    seconds = clock.elapsed(start, clock.mark())
+    cpu = time.process_time() - cpu_start
+    return max_over_ranks(seconds, device), cpu  # a step is as slow as its slowest rank

@@ -18,7 +18,6 @@ import argparse
 import contextlib
 import os
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +28,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from course_lib import data
 from course_lib.distributed import comm, launch
-from course_lib.distributed.clock import Clock, clock_for
+from course_lib.distributed.clock import Clock, clock_for, slowest_rank_s
 from course_lib.distributed.results import WorkerResult
 from course_lib.models import ResNet
 
@@ -57,19 +56,12 @@ def _timed_steps(model: DDP, opt: torch.optim.Optimizer, batches: list, sync: bo
                  clock: Clock) -> tuple[float, float]:
     """Median seconds per step over ``batches`` (each step as slow as the slowest rank), and the CPU seconds of the
     least disturbed step (ranks sharing cores inflate one another's CPU time: caches, memory bandwidth)."""
-    times, cpu = [], []
-    for x, y in batches:
-        dist.barrier()  # start together, so one rank's step does not include waiting for another's
-        start, cpu_start = clock.mark(), time.process_time()
-        ctx = contextlib.nullcontext() if sync else model.no_sync()
-        with ctx:
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        with contextlib.nullcontext() if sync else model.no_sync():
             opt.zero_grad(set_to_none=True)
             F.cross_entropy(model(x), y).backward()
         opt.step()
-        t = torch.tensor([clock.elapsed(start, clock.mark())], device=x.device)
-        cpu.append(time.process_time() - cpu_start)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        times.append(t.item())
+    times, cpu = zip(*(slowest_rank_s(lambda: step(x, y), clock, x.device) for x, y in batches))
     return statistics.median(times), min(cpu)
 
 
