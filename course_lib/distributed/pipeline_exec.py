@@ -393,15 +393,11 @@ class Step:
     timings: list[tuple[int, str, int, float, float]]  # every busy op: (stage, op, micro-batch, start, end)
 
     def each(self, name: str) -> list:
-        """A ``StageRun`` field, per rank."""
-        return [getattr(r, name) for r in self.runs]
+        """Per rank: a check gathered with the run, or else a ``StageRun`` field."""
+        return [c[name] if name in c else getattr(r, name) for r, c in zip(self.runs, self.checks)]
 
     def total(self, name: str) -> float:
         return sum(self.each(name))
-
-    def check(self, name: str) -> list:
-        """A check, per rank."""
-        return [c[name] for c in self.checks]
 
 
 def gather_step(run: StageRun, **checks: object) -> Step | None:

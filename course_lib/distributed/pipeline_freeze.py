@@ -276,7 +276,7 @@ def freeze_steps(a: argparse.Namespace, k: int, m: int, repeats: int, rank: int,
     if local == 0:                               # the replica's first stage holds the prefix's outputs
         cache = ActivationCache(prefix.to(device), num_samples=m_r * mbs)
     scale = max(plan.layers_per_stage) / per_old  # a stage's ops take as long as its layers
-    pad_r = None if pad is None else {op: t * scale for op, t in pad.items()}
+    pad_r = op_pads(a, scale=scale)
     flat_bytes = sum(p.numel() * p.element_size() for p in new_mod.parameters())
     refs_new = split_sequential(nn.Sequential(*ref_layers[cut:]), K)
 
@@ -308,23 +308,22 @@ def freeze_steps(a: argparse.Namespace, k: int, m: int, repeats: int, rank: int,
     sim = simulate(frozen_schedule("1f1b", world, m, k), t_f, t_b)
     r_sim = simulate_repacked(plan, m, t_f, t_b, per_old)
     r0 = min(r.start for r in repacked.runs)
-    cache_figures = next(c for c in repacked.check("cache") if c is not None)
+    cache_figures = next(c for c in repacked.each("cache") if c is not None)
     losses = [loss for r in repacked.runs for loss in r.losses]
     return FreezeRun(
         p=world, m=m, frozen_stages=k, loss_reference=ref.loss,
-        counted_ops=[o for ops in frozen.check("ops") for o in ops], makespan_s=frozen.makespan_s,
+        counted_ops=[o for ops in frozen.each("ops") for o in ops], makespan_s=frozen.makespan_s,
         makespan_simulated_s=sim.makespan, bubble_measured=frozen.bubble, bubble_simulated=sim.bubble_fraction,
         busy_s=frozen.busy_s, peak_activation_bytes=frozen.each("peak_activation_bytes"),
         sent_messages=frozen.total("sent_messages"), sent_bytes=frozen.total("sent_bytes"),
-        grad_max_abs_diff=max(d for d, r in zip(frozen.check("diff"), frozen.runs) if r.rank >= k),
-        frozen_grads_none=all(n for n, r in zip(frozen.check("none"), frozen.runs) if r.rank < k),
+        grad_max_abs_diff=max(frozen.each("diff")[k:]), frozen_grads_none=all(frozen.each("none")[:k]),
         loss=sum(frozen.runs[-1].losses) / len(frozen.runs[-1].losses), overruns=frozen.total("overruns"),
         timings=frozen.timings, stages=K, replicas=R, layers_per_stage=plan.layers_per_stage,
-        repacked_makespan_s=max(repacked.check("done")) - r0, repacked_pipeline_s=max(repacked.each("end")) - r0,
+        repacked_makespan_s=max(repacked.each("done")) - r0, repacked_pipeline_s=max(repacked.each("end")) - r0,
         repacked_makespan_simulated_s=r_sim.makespan,
         repacked_bubble_measured=[measured_bubble(repacked.runs[r * K:(r + 1) * K])["bubble_fraction"]
                                   for r in range(R)],
-        repacked_bubble_simulated=r_sim.bubble_fraction, repacked_grad_max_abs_diff=max(repacked.check("diff")),
+        repacked_bubble_simulated=r_sim.bubble_fraction, repacked_grad_max_abs_diff=max(repacked.each("diff")),
         repacked_loss=sum(losses) / len(losses),
         repacked_peak_activation_bytes=repacked.each("peak_activation_bytes"),
         allreduce_bytes=flat_bytes, cache_bytes=cache_figures[0], cache_samples=cache_figures[1],

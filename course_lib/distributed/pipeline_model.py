@@ -48,15 +48,14 @@ def tokens(a: argparse.Namespace, m: int, seed: int | None = None) -> tuple[torc
     return make_tokens(m * a.microbatch_size, a.seq_len, vocab=a.vocab, seed=a.seed if seed is None else seed)
 
 
-def op_pads(a: argparse.Namespace, split: bool = False) -> dict[str, float] | None:
-    """Seconds each op is padded to (``None``: no padding, with ``--t-forward-ms 0``).
-
-    A split backward (``split``, ZB-H1) is half input gradient (``B``), half weight gradient (``W``).
-    """
+def op_pads(a: argparse.Namespace, split: bool = False, scale: float = 1.0) -> dict[str, float] | None:
+    """Seconds each op is padded to, ``scale`` times ``--t-forward-ms`` and ``--t-backward-ms`` (``None``: no
+    padding, with ``--t-forward-ms 0``). A split backward (``split``, ZB-H1) is half input gradient (``B``), half
+    weight gradient (``W``)."""
     if a.t_forward_ms <= 0:
         return None
-    t_b = a.t_backward_ms / 1e3
-    return {"F": a.t_forward_ms / 1e3, "B": t_b / (2 if split else 1), "W": t_b / 2}
+    t_f, t_b = a.t_forward_ms / 1e3, a.t_backward_ms / 1e3
+    return {op: scale * t for op, t in {"F": t_f, "B": t_b / (2 if split else 1), "W": t_b / 2}.items()}
 
 
 def my_chunks(pieces: list, rank: int, world: int, v: int) -> list:

@@ -83,8 +83,7 @@ def handmade_step(a: argparse.Namespace, kind: str, m: int, rank: int, world: in
     schedule = make_schedule(kind, world, m, chunks=v)
     # A chunk's op would take 1/v of a stage's time; it is padded to the whole t_f / t_b instead: the bubble, a
     # fraction, does not depend on the unit of time, and longer ops leave messaging delays less weight.
-    pad = op_pads(a, split=kind == "zb-h1")
-    pad = pad and {op: pad_scale * t for op, t in pad.items()}
+    pad = op_pads(a, split=kind == "zb-h1", scale=pad_scale)
     dist.barrier()                                 # start together, so idle time is the schedule's
     run = run_stage(mine if v > 1 else mine[0], schedule, rank, shapes if v > 1 else shapes[0], inputs=ref.xs,
                     targets=ref.ys, loss_fn=lm_loss, op_seconds=pad, device=device, clock=clock, count_ops=count_ops)
@@ -103,8 +102,8 @@ def handmade_step(a: argparse.Namespace, kind: str, m: int, rank: int, world: in
         peak_sends_held=step.each("peak_sends_held"),
         peak_sends_bound=[peak_sends_held(schedule, s) for s in range(world)],
         sent_messages=step.total("sent_messages"), sent_bytes=step.total("sent_bytes"), chunks=v,
-        overruns=step.total("overruns"), grad_max_abs_diff=max(step.check("grad")),
-        output_max_abs_diff=step.check("output")[-1],
+        overruns=step.total("overruns"), grad_max_abs_diff=max(step.each("grad")),
+        output_max_abs_diff=step.each("output")[-1],
         timings=[(*t, c) for t, c in zip(step.timings, (c for r in step.runs for c in r.busy_chunks))],
         op_counts=[(r.rank, op, i, c, n) for r in step.runs
                    for (op, i, *_), c, n in zip(r.busy, r.busy_chunks, r.op_counts)])
