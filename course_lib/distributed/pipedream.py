@@ -161,7 +161,7 @@ class TimedRun(WorkerResult):
 
 
 def _stage(a: argparse.Namespace, n: int, seed: int, rank: int, world: int) -> tuple:
-    """This rank's stage of the seeded model, its input's shape, the stream of ``n`` micro-batches, the model."""
+    """This rank's stage of the seeded model, its input's shape, ``n`` micro-batches (xs, ys), the model, its stages."""
     model = tiny_model(a, world, seed)
     x, y = tokens(a, n, seed)
     xs, ys = micro_batches(x, n), micro_batches(y, n)
