@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import collections
 import contextlib
 import copy
@@ -18,6 +19,8 @@ from course_lib.distributed.pipeline import (KINDS, OpTiming, bubble_formula, ch
                                              zb_h1_bubble_formula)
 from course_lib.distributed.pipeline_exec import (boundary_shapes, message_batches, op_links, peak_sends_held,
                                                   run_stage, send_releases, split_sequential)
+from course_lib.distributed.pipeline_model import add_model_args, my_chunks, op_pads, staged
+from course_lib.models import lm_loss
 
 GRID = [(p, m) for p in (1, 2, 3, 4, 5, 8) for m in (1, 2, 3, 4, 7, 8, 16, 33)]
 
@@ -232,6 +235,21 @@ def test_split_sequential_and_shapes():
     assert boundary_shapes(parts, torch.zeros(5, 4)) == [((5, 4), torch.float32), ((5, 8), torch.float32)]
     with pytest.raises(ValueError, match="cannot cut"):
         split_sequential(seq, 6)
+
+
+def test_staged_model_cuts_the_model_and_takes_the_sequential_step():
+    parser = argparse.ArgumentParser()
+    add_model_args(parser)
+    a = parser.parse_args(["--t-forward-ms", "10", "--t-backward-ms", "30"])
+    ref = staged(a, 4, 3, frozen=1)
+    assert len(ref.stages) == len(ref.refs) == 4 and [x.shape for x in ref.xs] == [(a.microbatch_size, a.seq_len)] * 3
+    assert all(p.grad is None and not p.requires_grad for p in ref.refs[0].parameters())   # frozen in both
+    assert all(p.grad is not None for r in ref.refs[1:] for p in r.parameters())
+    assert all(p.grad is None for s in ref.stages for p in s.parameters())                 # left to the pipeline
+    assert ref.loss == pytest.approx(lm_loss(ref.logits, ref.y).item())
+    assert my_chunks(list(range(8)), rank=1, world=4, v=2) == [1, 5]
+    assert op_pads(a, split=True) == pytest.approx({"F": 0.01, "B": 0.015, "W": 0.015})
+    assert op_pads(parser.parse_args(["--t-forward-ms", "0"])) is None
 
 
 def test_run_stage_checks_its_inputs_before_communicating():

@@ -54,7 +54,7 @@ messaging delays. Without ``op_seconds`` the ops take what their work takes.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Sequence, TypeVar
 
 import torch
@@ -381,13 +381,34 @@ def measured_bubble(runs: Sequence[StageRun]) -> dict[str, float]:
             "busy": busy}
 
 
-def timeline(runs: Sequence[dict]) -> tuple[dict[str, float], list[tuple[int, str, int, float, float]]]:
-    """One step seen from rank 0, from every rank's ``{"rank", "start", "end", "busy"}`` (``gather_on_first``
-    of its ``StageRun``'s times): ``measured_bubble``'s figures, and every busy op as ``(stage, op,
-    micro-batch, start, end)`` in seconds from the common start (for ``plots.gantt``)."""
-    stages = [StageRun(r["rank"], r["start"], r["end"], busy=r["busy"]) for r in runs]
-    t0 = min(s.start for s in stages)
-    return measured_bubble(stages), [(s.rank, op, i, b - t0, e - t0) for s in stages for op, i, b, e in s.busy]
+@dataclass
+class Step:
+    """One step of every rank, seen from rank 0 (``gather_step``); times in seconds from the common start."""
+
+    runs: list[StageRun]                           # per rank, in rank order (outputs left on their rank)
+    checks: list[dict]                             # per rank: what it measured beside its run
+    makespan_s: float
+    bubble: float                                  # idle share of the ranks' time (``measured_bubble``)
+    busy_s: list[float]                            # per rank
+    timings: list[tuple[int, str, int, float, float]]  # every busy op: (stage, op, micro-batch, start, end)
+
+    def each(self, name: str) -> list:
+        """Per rank: a check gathered with the run, or else a ``StageRun`` field."""
+        return [c[name] if name in c else getattr(r, name) for r, c in zip(self.runs, self.checks)]
+
+    def total(self, name: str) -> float:
+        return sum(self.each(name))
+
+
+def gather_step(run: StageRun, **checks: object) -> Step | None:
+    """Every rank's ``run`` and ``checks`` (small values) on rank 0, as one ``Step``; ``None`` on the others."""
+    got = gather_on_first((replace(run, outputs=[]), checks))
+    if got is None:
+        return None
+    runs = [r for r, _ in got]
+    meas, t0 = measured_bubble(runs), min(r.start for r in runs)
+    return Step(runs, [c for _, c in got], meas["makespan"], meas["bubble_fraction"], meas["busy"],
+                [(r.rank, op, i, b - t0, e - t0) for r in runs for op, i, b, e in r.busy])
 
 
 def fastest_of(repeats: int, attempt: Callable[[], tuple[dict[str, float], Callable[[], T]]], device: torch.device,
