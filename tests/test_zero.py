@@ -294,3 +294,17 @@ def test_flags_travel_on_the_host_through_gloo(one_rank_group, monkeypatch, main
     opt.step()
     assert len(flags) == opt.control_calls == 3  # the backward's start and end, and step()'s join
     assert flags == [("cpu", side)] * 3
+
+
+def test_fsdp2_steps_on_one_rank_are_adam_and_held_bytes_are_counted_by_device(one_rank_group) -> None:
+    from course_lib.distributed.dp_methods import fsdp2_adam, train_steps
+    from course_lib.distributed.experiment import reference
+
+    cfg = RunConfig(d_model=16, n_layers=1, seq_len=8, batch=4, steps=3)
+    model, opt = fsdp2_adam(cfg, torch.device("cpu"))
+    times: list[float] = []
+    done: list[int] = []
+    losses = train_steps(model, opt, cfg, torch.device("cpu"), on_step=lambda n, _: done.append(n), times=times)
+    assert len(times) == cfg.steps and done == [1, 2, 3]
+    assert max(abs(a - b) for a, b in zip(losses, reference(cfg)[0])) < 1e-5
+    assert zero.held_bytes_by_device(model, opt) == {"cpu": sum(held_bytes(model, opt).values()), "cuda": 0}

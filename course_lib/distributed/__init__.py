@@ -12,8 +12,10 @@
   ``dp_methods``: one step of DDP, ZeRO-1/2, ZeroRedundancyOptimizer or FSDP2 on it, measured.
 - ``zero``: ZeRO-1/2 by hand (``ZeroOptimizer``) and FSDP2's traffic and memory measured (chapter 09).
   Its pieces: ``zero_buckets`` (the flat layout), ``zero_stage1`` and ``zero_stage2`` (each stage's gradients),
-  ``zero_agreement`` (what the ranks agree on so that none is left waiting).
-- ``sharded_checkpoint``: an FSDP2 model's checkpoint saved shard by shard, atomically, and loaded at any world size.
+  ``zero_agreement`` (what the ranks agree on so that none is left waiting); ``zero_checks``: those cases
+  against single-process Adam.
+- ``sharded_checkpoint``: an FSDP2 model's checkpoint saved shard by shard, atomically, and loaded at any world size;
+  a run that crashes while saving, resumes, and loads at another world size.
 - ``tensor_parallel``: Megatron's column- and row-parallel layers, f and g, sequence parallelism (chapter 10);
   ``tp_costs``: their bytes, activations and traffic in formulas (chapter 10, and the capstone's planner).
   ``tp_api``: the same with torch's API; ``tp_checks``: a split block and a (dp, tp) mesh against one process.

@@ -5,6 +5,9 @@ wrapped or sharded as ``method`` does it, with its optimizer and a byte
 counter on its collectives; ``run_method`` trains ``cfg.steps`` steps of it on
 this rank's rows and returns a ``MethodResult``: the loss per step, the bytes
 held, resident and at the peak of a step, the bytes sent, the step time.
+``compare_methods`` runs several and measures each against the single-process
+reference (``experiment.reference``). ``fsdp2_adam`` and ``train_steps``: plain
+FSDP2 training, for the checkpoint runs and chapter 11's offloading.
 
 Every method keeps its gradient buffers (zeroed, not freed) from step to step,
 so what is resident at the start of a step is exactly its model states.
@@ -25,8 +28,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from course_lib import memory
 from course_lib.distributed import comm
 from course_lib.distributed.ddp import counting_allreduce_hook
-from course_lib.distributed.experiment import RunConfig, build_model, local_batch
-from course_lib.distributed.results import gather_per_rank, mean_over_ranks
+from course_lib.distributed.experiment import RunConfig, build_model, local_batch, reference
+from course_lib.distributed.results import gather_per_rank, max_abs_diff, mean_over_ranks
 from course_lib.distributed.zero import ZeroOptimizer, count_broadcasts, count_fsdp_traffic, held_bytes, shard_fsdp2
 from course_lib.models import lm_loss
 from course_lib.timing import time_s
@@ -66,6 +69,19 @@ class MethodResult:
     def transient(self) -> list[int]:
         """Bytes above the resident ones at the peak: activations, buckets, gathered layers, temporaries."""
         return [p - r for p, r in zip(self.peak, self.resident)]
+
+
+@dataclass
+class CompareResult:
+    """Every method trained on the same batches, and the single-process reference (rank 0)."""
+
+    world: int
+    device: str                      # where the ranks ran: "cpu" (gloo) or "cuda" (NCCL, one GPU per rank)
+    num_params: int
+    dtype: str
+    accumulation: int
+    ref_losses: list[float] | None
+    methods: dict[str, MethodResult]
 
 
 def forward_backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, micro_batches: int,
@@ -190,3 +206,60 @@ def run_method(method: str, cfg: RunConfig, rank: int, world: int,
         result.example_param = {"type": type(p).__name__, "placements": str(p.placements),
                                 "global_shape": list(p.shape), "local_shape": list(p.to_local().shape)}
     return result, full
+
+
+def compare_methods(cfg: RunConfig, methods: list[str], rank: int, world: int, device: torch.device) -> CompareResult:
+    """Every method; rank 0 also trains the reference and measures each method's distance from it and from DDP."""
+    ref_losses, ref_params = reference(cfg) if rank == 0 else (None, None)
+    num_params = sum(p.numel() for p in build_model(cfg).parameters())
+    results, finals = {}, {}
+    for name in methods:
+        r, finals[name] = run_method(name, cfg, rank, world, device)
+        if rank == 0:
+            r.max_param_diff = max_abs_diff(finals[name], ref_params)
+            r.max_loss_diff = max(abs(a - b) for a, b in zip(r.losses, ref_losses))
+        results[name] = r
+    if rank == 0 and "ddp" in finals:
+        for name in methods:
+            results[name].max_param_diff_vs_ddp = max_abs_diff(finals[name], finals["ddp"])
+    return CompareResult(world=world, device=device.type, num_params=num_params, dtype=cfg.dtype,
+                         accumulation=cfg.accumulation, ref_losses=ref_losses, methods=results)
+
+
+def fsdp2_adam(cfg: RunConfig, device: torch.device,
+               offload_policy: object | None = None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The run's model sharded by FSDP2 (``zero.shard_fsdp2``) and Adam on its shards (on the host when offloaded)."""
+    model = shard_fsdp2(build_model(cfg, device), offload_policy=offload_policy)
+    return model, torch.optim.Adam(model.parameters(), lr=cfg.lr)
+
+
+def train_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: RunConfig, device: torch.device,
+                start: int = 0, stop: int | None = None, on_step: Callable[[int, list[float]], None] | None = None,
+                times: list[float] | None = None) -> list[float]:
+    """Steps ``start .. stop-1`` (default: to ``cfg.steps``) on this rank's rows; the mean loss over ranks per step.
+
+    Each step's batch depends only on its number, so a resumed run reads what an uninterrupted one would.
+    ``on_step(done, losses)`` runs after each step, ``done`` steps complete (a checkpoint's hook). With ``times``,
+    each step is timed (``timing.time_s``: CUDA events on a GPU, the host's work in between included) after a
+    barrier, so that the time is the step's, not the wait for a slower rank.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses: list[float] = []
+    for s in range(start, cfg.steps if stop is None else stop):
+        x, y = local_batch(cfg, s, rank, world, device)
+        box: list[torch.Tensor] = []
+
+        def step() -> None:
+            opt.zero_grad()
+            box.append(lm_loss(model(x), y))
+            box[0].backward()
+            opt.step()
+        if times is None:
+            step()
+        else:
+            dist.barrier()
+            times.append(time_s(step, device))
+        losses.append(mean_over_ranks(box[0].item(), device))
+        if on_step is not None:
+            on_step(s + 1, losses)
+    return losses

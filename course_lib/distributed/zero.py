@@ -28,8 +28,8 @@ forward and again for the backward, plus the reduce-scatter: 1.5x.
 
 This module puts them together (the update of this rank's slices, then the
 all-gather of the parameters) and holds the chapter's formulas
-(``shard_bounds``, ``zero_bytes_per_rank``), ZeRO-3 as FSDP2 (``shard_fsdp2``) and the meters
-for torch's wrappers.
+(``shard_bounds``, ``zero_bytes_per_rank``), a meter of when its buckets leave (``bucket_timeline``),
+ZeRO-3 as FSDP2 (``shard_fsdp2``) and the meters for torch's wrappers.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -228,6 +229,41 @@ class ZeroOptimizer:
                 "optimizer": memory.optimizer_state_bytes(self.optimizer)}
 
 
+@dataclass
+class BucketTimeline:
+    """When ZeroOptimizer's buckets leave, seen from each parameter's gradient as the backward computes it."""
+
+    stage: int
+    buckets: int
+    names: list[str]                 # parameters in the order their gradients were computed
+    reduce_scatters_seen: list[int]  # reduce-scatters already issued when that gradient was computed
+    after_backward: int              # reduce-scatters issued by the end of the backward
+    full_grad_bytes_after_backward: int  # bytes of the parameters' .grad left after the backward
+    slice_grad_bytes: int            # bytes of this rank's averaged gradient slices after the backward
+
+
+def bucket_timeline(zopt: ZeroOptimizer, model: nn.Module, loss_fn: Callable[[], torch.Tensor]) -> BucketTimeline:
+    """One backward of ``loss_fn()`` under ``zopt``: how many buckets had left as each gradient was computed.
+
+    Stage 2 reduce-scatters a bucket from the hooks as soon as it is full, stage 1 only in ``step``. The caller
+    then calls ``zopt.step()`` on every rank (it takes part in the same collectives).
+    """
+    names: list[str] = []
+    seen: list[int] = []
+    for name, p in model.named_parameters():
+        def computed(grad: torch.Tensor, name: str = name) -> None:  # before autograd accumulates it
+            names.append(name)
+            seen.append(zopt.counter.calls.get("reduce_scatter", 0))
+        p.register_hook(computed)
+    zopt.zero_grad()
+    loss_fn().backward()
+    return BucketTimeline(
+        stage=zopt.stage, buckets=len(zopt.buckets), names=names, reduce_scatters_seen=seen,
+        after_backward=zopt.counter.calls.get("reduce_scatter", 0),
+        full_grad_bytes_after_backward=memory.grad_bytes(model),
+        slice_grad_bytes=sum(memory.tensor_bytes(b.piece.grad) for b in zopt.buckets if b.piece.grad is not None))
+
+
 # ----- ZeRO-3 as torch's FSDP2, and meters for torch's own data-parallel wrappers ------------
 
 
@@ -275,6 +311,17 @@ def held_bytes(model: nn.Module, optimizer: object) -> dict[str, int]:
     return {"params": sum(local_bytes(p) for p in model.parameters()),
             "grads": sum(local_bytes(p.grad) for p in model.parameters()),
             "optimizer": sum(local_bytes(v) for s in inner.state.values() for v in s.values() if torch.is_tensor(v))}
+
+
+def held_bytes_by_device(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """The same bytes (parameters, gradients, optimizer state) by the device type that holds them, ``cpu`` or
+    ``cuda``: where FSDP2's ``CPUOffloadPolicy`` keeps a rank's shards (chapter 11)."""
+    out = {"cpu": 0, "cuda": 0}
+    states = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    for t in [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None), *states]:
+        kind = (t.to_local() if hasattr(t, "to_local") else t).device.type
+        out[kind] = out.get(kind, 0) + local_bytes(t)
+    return out
 
 
 def count_fsdp_traffic(model: nn.Module, counter: comm.ByteCounter) -> int:

@@ -24,47 +24,21 @@ import argparse
 import statistics
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
-from course_lib import memory, timing
+from course_lib import memory
 from course_lib.distributed import launch
-from course_lib.distributed.experiment import RunConfig, build_model, local_batch
-from course_lib.distributed.results import gather_per_rank, mean_over_ranks
-from course_lib.distributed.zero import shard_fsdp2
-from course_lib.models import lm_loss
+from course_lib.distributed.dp_methods import fsdp2_adam, train_steps
+from course_lib.distributed.experiment import RunConfig, build_model
+from course_lib.distributed.results import gather_per_rank
+from course_lib.distributed.zero import held_bytes_by_device
 
 MODES = ("none", "cpu")
 
 
-def shard(model: nn.Module, offload: bool, pin_memory: bool) -> nn.Module:
-    """``zero.shard_fsdp2`` (chapter 09's ZeRO-3), its shards on the host when ``offload``."""
+def run_mode(mode: str, cfg: RunConfig, rank: int, world: int, device: torch.device, pin_memory: bool) -> dict:
+    """Train ``cfg.steps`` Adam steps with FSDP2 (chapter 09's ZeRO-3), its shards on the host when ``mode`` is cpu."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    return shard_fsdp2(model, offload_policy=CPUOffloadPolicy(pin_memory=pin_memory) if offload else None)
-
-
-def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
-    """This rank's bytes of parameter shards, gradient shards and optimizer state, by device type."""
-    out = {"cpu": 0, "cuda": 0}
-
-    def add(t: torch.Tensor) -> None:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        out[local.device.type] = out.get(local.device.type, 0) + local.numel() * local.element_size()
-
-    for p in model.parameters():
-        add(p)
-        if p.grad is not None:
-            add(p.grad)
-    for state in opt.state.values():
-        for v in state.values():
-            if torch.is_tensor(v):
-                add(v)
-    return out
-
-
-def run_mode(mode: str, cfg: RunConfig, rank: int, world: int, device: torch.device, pin_memory: bool) -> dict:
-    """Train ``cfg.steps`` Adam steps with FSDP2, offloaded to the host or not."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     losses: list[float] = []
@@ -72,21 +46,9 @@ def run_mode(mode: str, cfg: RunConfig, rank: int, world: int, device: torch.dev
     held: dict[str, int] = {}
 
     def train() -> None:
-        model = shard(build_model(cfg, device), offload=mode == "cpu", pin_memory=pin_memory)
-        opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)  # on the host's shards when offloaded
-        for s in range(cfg.steps):
-            x, y = local_batch(cfg, s, rank, world, device)
-            holder: list[torch.Tensor] = []
-
-            def step() -> None:
-                opt.zero_grad()
-                holder.append(lm_loss(model(x), y))
-                holder[0].backward()
-                opt.step()
-            dist.barrier()
-            times.append(timing.time_s(step, device))  # CUDA events on a GPU, the host's work in between included
-            losses.append(mean_over_ranks(holder[0].item(), device))
-        held.update(state_bytes(model, opt))
+        model, opt = fsdp2_adam(cfg, device, CPUOffloadPolicy(pin_memory=pin_memory) if mode == "cpu" else None)
+        losses.extend(train_steps(model, opt, cfg, device, times=times))
+        held.update(held_bytes_by_device(model, opt))
 
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the blocks the previous mode left cached are not this mode's

@@ -1,11 +1,7 @@
-"""What the chapter-09 workers report and the parent side (notebook 09, tests, benchmarks) reads back, typed.
+"""What ``course_lib.workers.zero_compare`` reports and the parent side (notebook 09, tests, benchmarks) reads back.
 
-The run they share (its ``RunConfig``, the model, the batches, the
-single-process reference) is ``course_lib.distributed.experiment``; the
-methods they train, ``course_lib.distributed.dp_methods``.
-
-A worker fills the result dataclasses below and reports a ``WorkerResult``;
-``run_workers`` launches it and returns ``WorkerResult.from_dict`` of what rank 0 reported.
+``run_workers`` launches it and returns ``WorkerResult.from_dict`` of what rank 0 reported: one field per task,
+each a result of the library function that ran it (``dp_methods``, ``zero``, ``sharded_checkpoint``).
 """
 
 from __future__ import annotations
@@ -14,70 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from course_lib.distributed import results
-from course_lib.distributed.dp_methods import MethodResult
+from course_lib.distributed.dp_methods import CompareResult
 from course_lib.distributed.experiment import RunConfig
-
-
-@dataclass
-class CompareResult:
-    """Every method trained on the same batches, and the single-process reference (rank 0)."""
-
-    world: int
-    device: str                      # where the ranks ran: "cpu" (gloo) or "cuda" (NCCL, one GPU per rank)
-    num_params: int
-    dtype: str
-    accumulation: int
-    ref_losses: list[float] | None
-    methods: dict[str, MethodResult]
-
-
-@dataclass
-class BucketTimeline:
-    """When ZeroOptimizer's buckets leave, seen from each parameter's gradient as the backward computes it."""
-
-    stage: int
-    buckets: int
-    names: list[str]                 # parameters in the order their gradients were computed
-    reduce_scatters_seen: list[int]  # reduce-scatters already issued when that gradient was computed
-    after_backward: int              # reduce-scatters issued by the end of the backward
-    full_grad_bytes_after_backward: int  # bytes of the parameters' .grad left after the backward
-    slice_grad_bytes: int            # bytes of this rank's averaged gradient slices after the backward
-
-
-@dataclass
-class CrashResult:
-    losses: list[float]
-    crashed: bool
-
-
-@dataclass
-class ResumeResult:
-    """A run resumed from the latest complete checkpoint against one that never stopped."""
-
-    checkpoint: str
-    incomplete: list[str]
-    incomplete_has_metadata: list[bool]
-    incomplete_files: list[list[str]]
-    saved_world: int
-    start: int
-    digest_ok: bool                  # the loaded full state equals the saved one, bit for bit
-    losses_before_crash: list[float]
-    resumed: list[float]
-    never_stopped: list[float]
-    identical: bool
-    max_abs_diff: float
-
-
-@dataclass
-class ReshardResult:
-    """A checkpoint loaded at this world size: state intact, and a few more steps."""
-
-    checkpoint: str
-    saved_world: int
-    loaded_world: int
-    digest_ok: bool
-    start: int
-    losses: list[float]
+from course_lib.distributed.sharded_checkpoint import CrashResult, ReshardResult, ResumeResult
+from course_lib.distributed.zero import BucketTimeline
 
 
 @dataclass
