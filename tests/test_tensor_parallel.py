@@ -98,6 +98,13 @@ def test_bad_input_is_refused() -> None:
         tp_costs.comm_bytes_per_layer(8, 1, 8, tp=0)
 
 
+def test_layouts_must_cover_the_world() -> None:
+    assert launch.layouts("4x1,2x2,1x4", 4) == [(4, 1), (2, 2), (1, 4)]
+    assert launch.layouts("", 2) == [(2, 1)]
+    with pytest.raises(ValueError, match="layout 2x1 needs 2 ranks, the launch has 4"):
+        launch.layouts("4x1,2x1", 4)
+
+
 @pytest.fixture
 def one_rank_group():
     """A gloo process group of one rank, in this process."""

@@ -206,3 +206,11 @@ def expert_dp_groups(world: int, ep: int) -> tuple[list[list[int]], list[list[in
     ep_groups = [list(range(s, s + ep)) for s in range(0, world, ep)]
     dp_groups = [list(range(s, world, ep)) for s in range(ep)]
     return ep_groups, dp_groups
+
+
+def expert_process_groups(ep: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's EP and DP process groups of ``expert_dp_groups``; every rank makes every group, in the same order,
+    as ``new_group`` requires."""
+    ep_groups, dp_groups = expert_dp_groups(dist.get_world_size(), ep)
+    made_ep, made_dp = [dist.new_group(g) for g in ep_groups], [dist.new_group(g) for g in dp_groups]
+    return made_ep[dist.get_rank() // ep], made_dp[dist.get_rank() % ep]

@@ -346,3 +346,13 @@ def serve(parser: argparse.ArgumentParser, work: Callable[[argparse.Namespace, i
         # gets here: torchrun stops the others, so this cannot hang a failed run.
         dist.barrier()
     shutdown()
+
+
+def layouts(text: str, world: int) -> list[tuple[int, int]]:
+    """The comma-separated ``a x b`` layouts of ``text`` (a worker's ``--layouts 4x1,2x2``), each checked to cover the
+    ``world`` ranks; none: ``world x 1``."""
+    found = [tuple(int(v) for v in s.split("x")) for s in text.split(",") if s] or [(world, 1)]
+    for a, b in found:
+        if a * b != world:
+            raise ValueError(f"layout {a}x{b} needs {a * b} ranks, the launch has {world}")
+    return found

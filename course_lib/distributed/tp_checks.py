@@ -1,12 +1,14 @@
 """Tensor parallelism checked against one process (chapter 10): a block split by hand or by torch's API, and
 the model trained on a (dp, tp) mesh.
 
+``run_ops`` checks the operators f, g and the sequence pair on known values.
 ``run_byhand`` runs ``TPBlock`` (TP, SP, SP with Megatron's regather) and
 ``run_api`` the same block under ``parallelize_module``, on one micro-batch
 with a linear loss; each returns a ``BlockResult``: output, input and
 parameter gradients against the single-process block (``block_reference``),
 bytes and calls per collective, forward and backward, and the activations
-each rank saves. ``run_mesh`` trains the whole model a few Adam steps on a
+each rank saves; ``run_blocks`` runs them all, in float64 and float32.
+``run_mesh`` trains the whole model a few Adam steps on a
 ``dp x tp`` mesh (SP where tp > 1, FSDP2 over dp) and returns a
 ``MeshResult`` against single-process Adam (``experiment.reference``).
 """
@@ -14,6 +16,7 @@ each rank saves. ``run_mesh`` trains the whole model a few Adam steps on a
 from __future__ import annotations
 
 import copy
+import dataclasses
 import statistics
 from dataclasses import dataclass, field
 
@@ -25,7 +28,8 @@ from course_lib import memory, timing
 from course_lib.distributed import comm
 from course_lib.distributed.experiment import RunConfig, build_model, local_batch, reference
 from course_lib.distributed.results import gather_per_rank, max_abs_diff, max_over_ranks, mean_over_ranks
-from course_lib.distributed.tensor_parallel import SEQ, TPBlock, TPGroup, full_grads, sync_replicated_grads
+from course_lib.distributed.tensor_parallel import (SEQ, TPBlock, TPGroup, copy_to_tp, full_grads, gather_from_sequence,
+                                                    reduce_from_tp, reduce_scatter_to_sequence, sync_replicated_grads)
 from course_lib.distributed.tp_api import (CountDTensorComm, block_plan, original_layout, parallelize,
                                           reduce_partial_grads, saved_bytes_in, since, snapshot, to_head_major)
 from course_lib.distributed.zero import count_fsdp_traffic, held_bytes
@@ -159,6 +163,56 @@ def run_api(method: str, block, x, w, ref, mesh, device) -> BlockResult:
              for n, p in hm.named_parameters()}  # full_tensor: a collective outside the counter
     local = {n: list((p.to_local() if isinstance(p, DTensor) else p).shape) for n, p in hm.named_parameters()}
     return _checked(method, mesh.size(), sp, tp, holder[0], xs, grads, ref, (fwd, bwd), saved, local, device)
+
+
+def run_ops(device: torch.device) -> dict:
+    """f, g and the sequence pair on tensors whose sums are known: rank r holds the value r + 1."""
+    tp, world, rank = TPGroup(), dist.get_world_size(), dist.get_rank()
+
+    def ends(y: torch.Tensor, g: torch.Tensor) -> dict:
+        return {"forward": y[0, 0, 0].item(), "backward": g[0, 0, 0].item()}
+
+    checks = {  # name: (operator, the gradient sent back, what to read from its output and the input's gradient)
+        "f": (copy_to_tp, rank + 1.0, ends),
+        "g": (reduce_from_tp, rank + 1.0, ends),
+        # (2, world * world, 3): the rank's value in its own rows
+        "gather_seq": (gather_from_sequence, 1.0, lambda y, g: {
+            "shape": list(y.shape), "rows_of_rank": [y[0, r * world, 0].item() for r in range(world)],
+            "backward": g[0, 0, 0].item()}),
+        # (2, 1, 3): the sum, this rank's row
+        "reduce_scatter_seq": (reduce_scatter_to_sequence, rank + 1.0, lambda y, g: {
+            "shape": list(y.shape), "forward": y[0, 0, 0].item(),
+            "backward_rows": [g[0, r, 0].item() for r in range(world)]}),
+    }
+    out = {}
+    for name, (op, grad, read) in checks.items():
+        x = torch.full((2, world, 3), rank + 1.0, device=device, requires_grad=True)
+        y = op(x, tp)
+        y.backward(torch.full_like(y, grad))
+        out[name] = read(y, x.grad)
+    out["sum_of_values"] = world * (world + 1) / 2  # 1 + 2 + ... + world
+    return out
+
+
+def run_blocks(cfg: RunConfig, with_api: bool, device) -> tuple[list[BlockResult], dict[str, int]]:
+    """Every ``BYHAND`` method (and with ``with_api`` every API one) in float64 and float32, on groups of 2 and of
+    the whole world; and what the single-process block saves, per dtype."""
+    world = dist.get_world_size()
+    sizes = sorted({s for s in (2, world) if s > 1 and world % s == 0})
+    groups = {world: TPGroup()}
+    if 2 in sizes and world > 2:
+        groups[2] = TPGroup(dist.new_subgroups(2)[0])  # every rank joins its pair: ranks (0, 1), (2, 3), ...
+    mesh = init_device_mesh(device.type, (world,)) if with_api else None
+    results, ref_saved = [], {}
+    for dtype in ("float64", "float32"):
+        block, x, w = block_inputs(dataclasses.replace(cfg, dtype=dtype), device)
+        ref = block_reference(block, x, w)
+        ref_saved[dtype] = ref[3]
+        for size in sizes:
+            results += [run_byhand(m, block, x, w, ref, groups[size], device) for m in BYHAND]
+        if with_api:
+            results += [run_api(m, block, x, w, ref, mesh, device) for m in ("api_tp", "api_sp", "api_sp_local")]
+    return results, ref_saved
 
 
 def reference_training(cfg: RunConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
