@@ -15,7 +15,7 @@ import torch
 
 from course_lib.distributed import launch
 from course_lib.distributed.experiment import RunConfig
-from course_lib.distributed.step_traces import trace_ddp, trace_zero  # trace_zero: zero_compare imports it here
+from course_lib.distributed.step_traces import trace_ddp, trace_zero
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ for starting the processes once):
   difference (see below);
 - ``timeline``: when ZeroOptimizer's buckets leave during one backward, stages 1 and 2 (``zero.bucket_timeline``);
 - ``trace``: one profiled step of ZeRO-1 and of ZeRO-2, a Chrome trace per rank in ``--trace-dir``
-  (``step_trace.trace_zero``);
+  (``step_traces.trace_zero``);
 - ``crash``, ``resume``, ``reshard``: sharded checkpoints (``sharded_checkpoint.crash_run`` and the next two).
 
 Why float64 for the equality check: the attention's key bias has a true
@@ -41,7 +41,7 @@ from course_lib.distributed.dp_methods import EXACT_METHODS, METHODS, compare_me
 from course_lib.distributed.experiment import RunConfig, build_model, local_batch
 from course_lib.distributed.zero import BucketTimeline, ZeroOptimizer, bucket_timeline
 from course_lib.models import lm_loss
-from course_lib.workers.step_trace import trace_zero
+from course_lib.distributed.step_traces import trace_zero
 from course_lib.workers.zero_common import TASKS, WorkerResult
 
 
