@@ -122,6 +122,7 @@ def test_communication_is_1x_1x_1p5x(c: dict) -> None:
 def test_checkpoints(c: dict) -> None:
     assert c["ch09/crash_happened"] is True
     assert c["ch09/incomplete_has_metadata"] == [False]
+    assert c["ch09/incomplete_shards"] == [2], "every rank of the crashed launch writes its shard before dying"
     assert c["ch09/resume_state_intact"] is True
     assert c["ch09/resume_identical"] is True and c["ch09/resume_max_abs_diff"] == 0.0
     for world, r in c["ch09/reshard"].items():

@@ -12,8 +12,8 @@ checkpoint is written into ``step_NNNNNN.partial`` and renamed to
 a checkpoint folder either is complete or does not exist under that name, and
 a crash during a save loses only that save.
 
-``save_checkpoint`` writes one (``die_during_save``: the process dies after
-its shards, before the metadata, to show what a crash leaves),
+``save_checkpoint`` writes one (``die_during_save``: every process dies once
+all the shards are written, before the metadata, to show what a crash leaves),
 ``latest_checkpoint`` finds the newest complete one, ``load_checkpoint``
 loads it at this world size, and ``full_state_digest`` tells whether the
 loaded state is bit for bit the saved one.
@@ -79,6 +79,10 @@ class _DieAfterWrite(FileSystemWriter):
     def write_data(self, plan, planner):
         fut = super().write_data(plan, planner)
         fut.wait()
+        # Wait until every rank's shards are on disk: otherwise the first rank to die makes torchrun stop
+        # the others, and a slower rank may die before writing. Then the folder holds all the data and
+        # still cannot be loaded, which is the point of the demonstration.
+        dist.barrier()
         os._exit(KILLED_EXIT)  # no clean-up, no exception handlers: like a power cut or a SIGKILL
 
 
