@@ -566,6 +566,9 @@ def test_real_pipeline_matches_sequential_and_formula():
     assert [r.kind for r in result.unpadded] == ["1f1b", "zb-h1"]
     for run in result.unpadded:
         assert not run.padded and run.grad_max_abs_diff < 1e-5 and run.output_max_abs_diff < 1e-5, run.kind
+        # set beside the textbook t_b = 2 t_f, not beside the padded runs' t_b with t_f = 1
+        want = zb_h1_bubble_formula(p, run.m, 1.0, 2.0) if run.kind == "zb-h1" else bubble_formula(p, run.m)
+        assert run.bubble_formula == pytest.approx(want) and run.bubble_simulated == pytest.approx(want), run.kind
     runs = {r.kind: r for r in result.handmade}
     for run in result.handmade:
         assert run.output_max_abs_diff < 1e-5 and run.grad_max_abs_diff < 1e-5, run

@@ -92,7 +92,9 @@ def handmade_step(a: argparse.Namespace, kind: str, m: int, rank: int, world: in
     step = gather_step(run, grad=grad_diff(mine, my_chunks(ref.refs, rank, world, v)), output=out_diff)
     if step is None:
         return None
-    t_f, t_b = a.t_forward_ms or 1.0, a.t_backward_ms or 2.0
+    # the formula and the simulation in the padded ops' units; an unpadded run's ops take what their work takes,
+    # so it is set beside the textbook t_b = 2 t_f (not beside its padding's t_b, with t_f = 1)
+    t_f, t_b = (a.t_forward_ms, a.t_backward_ms) if pad is not None else (1.0, 2.0)
     sim = simulate(schedule, t_f, t_b)
     return HandmadeRun(
         kind=kind, p=world, m=m, padded=pad is not None, makespan_s=step.makespan_s, bubble_measured=step.bubble,
