@@ -107,7 +107,9 @@ class Method:
 
     model: torch.nn.Module
     zero_grad: Callable[[], None]
-    step: Callable[[torch.Tensor, torch.Tensor], float]  # zero_grad, forward, backward, optimizer step
+    # zero_grad, forward, backward, optimizer step; returns the loss (context parallelism: this rank's part of it,
+    # a tensor, summed over the ring after the step so that the step itself waits for nobody)
+    step: Callable[[torch.Tensor, torch.Tensor], float | torch.Tensor]
     held: Callable[[], dict[str, int]]
     counter: comm.ByteCounter
 
@@ -159,11 +161,12 @@ def setup(method: str, cfg: RunConfig, device: torch.device) -> Method:
     return Method(model, zero_grad, step, held, counter)
 
 
-def measure_step(m: Method, x: torch.Tensor, y: torch.Tensor, device: torch.device) -> tuple[int, int, float]:
+def measure_step(m: Method, x: torch.Tensor, y: torch.Tensor,
+                 device: torch.device) -> tuple[int, int, float | torch.Tensor]:
     """One step of ``m``: (bytes resident at its start, its peak bytes, its loss)."""
     m.zero_grad()  # what the step's zero_grad frees, freed before the window (the CPU profiler cannot see its free)
     resident = sum(m.held().values()) + memory.tensor_bytes(x) + memory.tensor_bytes(y)
-    box: list[float] = []
+    box: list[float | torch.Tensor] = []
     transient = memory.peak_bytes(lambda: box.append(m.step(x, y)), device)
     return resident, resident + transient, box[0]
 
