@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from course_lib import memory, timing
 from course_lib.distributed import context_parallel as cp
-from course_lib.distributed.dp_methods import Method, measure_step
+from course_lib.distributed.dp_methods import Method, profile_or_time
 from course_lib.distributed.experiment import RunConfig, build_model, global_batch, local_batch, reference
 from course_lib.distributed.results import gather_per_rank, max_abs_diff
 from course_lib.distributed.zero import ZeroOptimizer, held_bytes
@@ -170,18 +170,13 @@ def run_train(cfg: RunConfig, device: torch.device, dp: int = 1, zero_stage: int
     for step in range(cfg.steps):
         x, y = local_batch(cfg, step, dist.get_rank() // ring.world, dp)  # this data-parallel group's rows
         x, y = (cp.shard(t, ring.world, ring.rank, ring.layout).to(device) for t in (x, y))  # this rank's positions
-        parts: list[torch.Tensor] = []
-        dist.barrier()  # every rank starts the step together: a time is then the step's, not a late rank's
-        if step in PROFILED_STEPS:
-            _, peak, part = measure_step(m, x, y, device)
-            peaks.append(peak)
-            parts.append(part)
-        else:
-            took = timing.time_s(lambda: parts.append(m.step(x, y)), device)
-            if step > 0:
-                seconds.append(took)
-        dist.all_reduce(parts[0])
-        losses.append(parts[0].item())
+        part, mem, took = profile_or_time(m, x, y, device, profile=step in PROFILED_STEPS)
+        if mem is not None:
+            peaks.append(mem[1])
+        elif step > 0:
+            seconds.append(took)
+        dist.all_reduce(part)
+        losses.append(part.item())
     return {"ref_losses": ref_losses, "losses": losses, "seconds": gather_per_rank(seconds),
             "sent_per_step": ring.counter.bytes / cfg.steps, "peak": gather_per_rank(min(peaks, default=None)),
             "held": gather_per_rank(m.held()), "dp": dp, "zero_stage": zero_stage, "device": device.type,

@@ -171,6 +171,19 @@ def measure_step(m: Method, x: torch.Tensor, y: torch.Tensor,
     return resident, resident + transient, box[0]
 
 
+def profile_or_time(m: Method, x: torch.Tensor, y: torch.Tensor, device: torch.device,
+                    profile: bool) -> tuple[float | torch.Tensor, tuple[int, int] | None, float | None]:
+    """One step of ``m`` with every rank starting together: (its loss, (resident, peak) bytes if ``profile``, else
+    its seconds). Never both: the profiler slows the step it watches. A collective: every rank calls it."""
+    dist.barrier()  # start every rank's step together so the time is the step's, not the wait's
+    if profile:
+        resident, peak, loss = measure_step(m, x, y, device)
+        return loss, (resident, peak), None
+    box: list[float | torch.Tensor] = []
+    seconds = time_s(lambda: box.append(m.step(x, y)), device)  # CUDA events on a GPU rank
+    return box[0], None, seconds
+
+
 def full_params(model: torch.nn.Module) -> list[torch.Tensor]:
     """Full parameter values on every rank (FSDP2's DTensors gathered: a collective)."""
     return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for p in model.parameters()]
@@ -184,14 +197,11 @@ def run_method(method: str, cfg: RunConfig, rank: int, world: int,
     losses, times, resident, peak = [], [], 0, None
     for s in range(cfg.steps):
         x, y = local_batch(cfg, s, rank, world, device)
-        dist.barrier()  # start every rank's step together so the time is the step's, not the wait's
-        if s in measured:
-            resident, p, loss = measure_step(m, x, y, device)  # profiled: not timed
-            peak = p if peak is None else min(peak, p)
+        loss, mem, took = profile_or_time(m, x, y, device, profile=s in measured)
+        if mem is not None:
+            resident, peak = mem[0], (mem[1] if peak is None else min(peak, mem[1]))
         else:
-            box: list[float] = []
-            times.append(time_s(lambda: box.append(m.step(x, y)), device))  # CUDA events on a GPU rank
-            loss = box[0]
+            times.append(took)
         losses.append(mean_over_ranks(loss, device))
     timed = times[1:] if len(times) > 1 else times  # the first step pays for first-call allocations
     steps = cfg.steps
