@@ -3,18 +3,26 @@
 Each teaching module is explained by one chapter (its docstring says which), and imports only the modules
 listed above it:
 
-- ``env``: device, seeds, profiles and their size tables, timing (chapter 00);
+- ``env``: device, seeds, profiles and their size tables, the CPU's bf16 speed (chapter 00);
 - ``data``: the offline ``shapes`` dataset, CIFAR-10, token sequences, loaders (chapter 00);
 - ``models``: the small CNNs and MLPs with a pluggable norm, and the tiny transformer (used from chapter 01 on);
 - ``memory``: bytes counted exactly (parameters, gradients, optimizer state, saved activations), ZeRO's formula,
   peaks and the curve of allocated bytes over a step (chapters 01, 05, 09, 11);
 - ``estimator``: the same bytes predicted from the model and the batch shape alone (chapters 01, 11);
+- ``lora``: freezing and LoRA, fine-tuning with fewer trainable bytes (chapter 01);
+- ``timing``: warm-up, repeats, the fastest and the median (chapter 02; used everywhere);
+- ``parallel_runs``: independent training runs in a few processes at once (chapters 02 and 04);
 - ``train``: one training loop, ``fit``, and the bare accumulation step (chapters 02-05);
-- ``norms``: GroupNorm by hand, MABN, BatchNorm folding (chapter 04);
+- ``norms``: GroupNorm by hand, MABN, BatchNorm folding; ``agc``: adaptive gradient clipping (chapter 04);
 - ``checkpointing``: segment plans, checkpointed forwards, selective checkpointing (chapter 05);
-- ``distributed/``: data parallelism by hand (chapter 07), pipelines (08), ZeRO and FSDP2 (08), tensor and
-  sequence parallelism (10), and the launcher that starts their workers;
-- ``offload`` and ``chunked_loss``: memory beyond splitting (chapter 11);
+- ``fp8`` and ``fp8_linear``: FP8 formats and their scaling, and a linear layer whose matmuls run in FP8
+  (chapter 06);
+- ``distributed/``: data parallelism by hand (chapter 07), pipelines (08), ZeRO and FSDP2 (09), tensor and
+  sequence parallelism (10), context and expert parallelism (12), and the launcher that starts their workers;
+- ``trace``: profiler traces, read back and drawn (chapters 07, 09, 11);
+- ``offload``, ``chunked_loss`` and ``memory_profile``: memory beyond splitting, and the profiler's view of it
+  (chapter 11);
+- ``moe``: a mixture-of-experts layer in one process (chapter 12);
 - ``planner/``: the capstone, measure, predict and search a configuration for a memory budget (chapter 13);
 - ``workers/``: the ``torchrun`` entry points that the distributed chapters start, and the typed results they
   report.
