@@ -209,9 +209,13 @@ def resume_run(cfg: RunConfig, root: str, device: torch.device) -> ResumeResult:
 
 
 def reshard_load(cfg: RunConfig, root: str, device: torch.device, steps: int = 2) -> ReshardResult:
-    """Load the latest checkpoint at this world size; check the full state; train ``steps`` more steps."""
+    """Load the latest checkpoint at this world size; check the full state; train ``steps`` more steps.
+
+    The steps run on from the checkpoint's, past ``cfg.steps`` if need be: a launch that only measures (chapter
+    09's at world sizes 1 and 4) may train fewer steps than the run that saved.
+    """
     path, _, model, opt, meta, digest_ok = _load_latest(cfg, root, device)
     start = meta["step"]
-    losses = train_steps(model, opt, cfg, device, start, min(cfg.steps, start + steps))
+    losses = train_steps(model, opt, cfg, device, start, start + steps)
     return ReshardResult(checkpoint=path.name, saved_world=meta["world"], loaded_world=dist.get_world_size(),
                          digest_ok=digest_ok, start=start, losses=losses)

@@ -35,8 +35,12 @@ TASKS = ("compare", "exact", "timeline", "trace", "crash", "resume", "reshard")
 
 def run_workers(world: int, tasks: list[str], cfg: RunConfig, methods: list[str] | None = None,
                 ckpt_dir: str | Path | None = None, every: int = 2, crash_at: int = 4, timeout: float = 300,
-                log_dir: str | Path | None = None, trace_dir: str | Path | None = None) -> WorkerResult:
-    """Launch ``course_lib.workers.zero_compare`` on ``world`` ranks for ``tasks`` (run in this order)."""
+                log_dir: str | Path | None = None, trace_dir: str | Path | None = None,
+                exact_steps: int | None = None) -> WorkerResult:
+    """Launch ``course_lib.workers.zero_compare`` on ``world`` ranks for ``tasks`` (run in this order).
+
+    ``exact_steps``: the float64 comparison's steps, if fewer than ``cfg.steps``.
+    """
     from course_lib.distributed import launch  # the parent side only
 
     unknown = [t for t in tasks if t not in TASKS]
@@ -45,6 +49,10 @@ def run_workers(world: int, tasks: list[str], cfg: RunConfig, methods: list[str]
     args = ["--tasks", ",".join(tasks), "--cfg", cfg.to_json(), "--every", str(every), "--crash-at", str(crash_at)]
     if methods:
         args += ["--methods", ",".join(methods)]
+    if exact_steps is not None:
+        if exact_steps < 1:
+            raise ValueError(f"exact_steps must be at least 1, got {exact_steps}")
+        args += ["--exact-steps", str(exact_steps)]
     if ckpt_dir is not None:
         args += ["--ckpt-dir", str(ckpt_dir)]
     if trace_dir is not None:

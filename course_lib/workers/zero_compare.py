@@ -12,7 +12,8 @@ for starting the processes once):
   reference, the bytes each rank holds after a step, its peak during one whole step (``dp_methods.measure_step``),
   the bytes it sends per step (``comm`` ring formulas) and the step time;
 - ``exact``: the same in float64 with two micro-batches per step, where rounding is too small to hide a real
-  difference (see below);
+  difference (see below), for ``--exact-steps`` steps (a wrong sum or update shows in the first step; the
+  traffic it counts is per step);
 - ``timeline``: when ZeroOptimizer's buckets leave during one backward, stages 1 and 2 (``zero.bucket_timeline``);
 - ``trace``: one profiled step of ZeRO-1 and of ZeRO-2, a Chrome trace per rank in ``--trace-dir``
   (``step_traces.trace_zero``);
@@ -61,7 +62,8 @@ def run_tasks(a: argparse.Namespace, rank: int, world: int, device: torch.device
     """Every task of ``a.tasks``, in order: one ``WorkerResult`` field each."""
     cfg, methods = RunConfig.from_json(a.cfg), launch.pick(a.methods, METHODS, "method")
     # float64, and two micro-batches per step where the rows allow: equal to Adam under accumulation too
-    exact_cfg = dataclasses.replace(cfg, dtype="float64", accumulation=2 if cfg.batch % (2 * world) == 0 else 1)
+    exact_cfg = dataclasses.replace(cfg, dtype="float64", accumulation=2 if cfg.batch % (2 * world) == 0 else 1,
+                                    steps=min(cfg.steps, a.exact_steps or cfg.steps))
     tasks = {
         "compare": lambda: compare_methods(cfg, methods, rank, world, device),
         "exact": lambda: compare_methods(exact_cfg, [m for m in methods if m in EXACT_METHODS], rank, world, device),
@@ -87,6 +89,7 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(METHODS[:5]), help=f"comma-separated from {METHODS}")
     parser.add_argument("--cfg", default=RunConfig().to_json(), help="RunConfig as JSON")
     parser.add_argument("--ckpt-dir", default=None, help="checkpoint folder for crash/resume/reshard")
+    parser.add_argument("--exact-steps", type=int, default=0, help="steps of the exact task (0: the config's)")
     parser.add_argument("--every", type=int, default=2, help="checkpoint every this many steps")
     parser.add_argument("--crash-at", type=int, default=4, help="crash task: die while saving at this step")
     parser.add_argument("--trace-dir", default=None, help="trace task: folder for the ranks' trace files")
