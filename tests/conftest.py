@@ -33,9 +33,9 @@ PREFETCH = ("00", "01", "02", "03", "04", "05", "06", "11", "10", "12", "13")
 # process once its notebooks are done, in a pytest of their own, so that its core is not idle while this one works
 # through the unit tests; their results are printed and counted at the end of this session. None of them asserts a
 # time that a busy machine moves (the ring's hop timers only must exist). They are chosen so that the two processes
-# finish together: on an AVX-512 EPYC the background's notebooks took about 6.5 minutes and these files 4.5, the
-# unit tests left here 11.5 (one loaded run, `--durations=0`). The notebooks that need the machine alone (07-09) run
-# last, after both.
+# finish close together: on an AVX-512 EPYC the background's notebooks took about 4.5 minutes and these files 3,
+# the unit tests left here about 8 (`CI=true bash .ci/run`, `--durations=100`). The notebooks that need the machine
+# alone (07-09, 2.7 minutes) run last, after both.
 SIDE = ("test_grading_adversarial.py", "test_launch.py", "test_expert_parallel.py", "test_context_parallel.py",
         "test_fsdp_offload.py")
 ALONE = ("test_nb_07.py", "test_nb_08.py", "test_nb_09.py")
