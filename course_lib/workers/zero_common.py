@@ -39,7 +39,7 @@ def run_workers(world: int, tasks: list[str], cfg: RunConfig, methods: list[str]
                 exact_steps: int | None = None) -> WorkerResult:
     """Launch ``course_lib.workers.zero_compare`` on ``world`` ranks for ``tasks`` (run in this order).
 
-    ``exact_steps``: the float64 comparison's steps, if fewer than ``cfg.steps``.
+    ``exact_steps``: the float64 comparison's steps (default: ``cfg.steps``).
     """
     from course_lib.distributed import launch  # the parent side only
 

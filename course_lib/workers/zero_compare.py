@@ -63,7 +63,7 @@ def run_tasks(a: argparse.Namespace, rank: int, world: int, device: torch.device
     cfg, methods = RunConfig.from_json(a.cfg), launch.pick(a.methods, METHODS, "method")
     # float64, and two micro-batches per step where the rows allow: equal to Adam under accumulation too
     exact_cfg = dataclasses.replace(cfg, dtype="float64", accumulation=2 if cfg.batch % (2 * world) == 0 else 1,
-                                    steps=min(cfg.steps, a.exact_steps or cfg.steps))
+                                    steps=a.exact_steps or cfg.steps)
     tasks = {
         "compare": lambda: compare_methods(cfg, methods, rank, world, device),
         "exact": lambda: compare_methods(exact_cfg, [m for m in methods if m in EXACT_METHODS], rank, world, device),
