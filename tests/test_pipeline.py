@@ -545,6 +545,7 @@ def test_one_message_per_call_deadlocks_1f1b_on_nccl():
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_real_pipeline_matches_sequential_and_formula():
     from course_lib.distributed import launch
     from course_lib.workers.pipeline_run import PipelineResult
@@ -595,6 +596,7 @@ def test_real_pipeline_matches_sequential_and_formula():
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_real_pipedream_stashes_p_minus_s_versions_and_removes_the_flush():
     from course_lib.distributed import launch
     from course_lib.workers.pipedream_run import PipeDreamResult
@@ -603,7 +605,7 @@ def test_real_pipedream_stashes_p_minus_s_versions_and_removes_the_flush():
     result = PipeDreamResult.from_dict(launch.run(
         "course_lib.workers.pipedream_run", nproc=p, timeout=300, env={"COURSE_DIST_BACKEND": "gloo"},
         args=["--microbatches", str(n), "--flush-m", str(m), "--seeds", "0", "--t-forward-ms", "50",
-              "--t-backward-ms", "100", "--repeats", "2"]))
+              "--t-backward-ms", "100", "--repeats", "3"]))   # the fastest of 3: its bubble error is the largest here
     run = result.seeds[0]
     assert run.peak_copies == [p - s for s in range(p)]
     assert run.peak_stash_bytes == [(p - s) * b for s, b in enumerate(run.stage_param_bytes)]

@@ -147,6 +147,7 @@ def test_training_on_cached_prefix_outputs_equals_the_frozen_model():
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_real_frozen_and_repacked_pipelines_match_the_sequential_model():
     from course_lib.distributed import launch
     from course_lib.workers.pipeline_freeze_run import FreezeRun
