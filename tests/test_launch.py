@@ -46,8 +46,23 @@ def test_failing_worker_raises_with_its_log(tmp_path: Path):
     assert "fails on purpose" in msg, "the error should carry the tail of the failing rank's log"
 
 
-def _live_children() -> set[psutil.Process]:
-    return {p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE}
+def _direct_children() -> set[int]:
+    return {c.pid for c in psutil.Process().children()}
+
+
+def _live_descendants_of_new_children(before: set[int]) -> set[psutil.Process]:
+    """Live processes under this process's children that were not there ``before``. Older children keep their
+    trees out of it: in a whole-suite run the background process (conftest) is one, and the notebooks it runs
+    start torchrun launches of their own beside this test."""
+    found = set()
+    for child in psutil.Process().children():
+        if child.pid in before:
+            continue
+        try:
+            found |= {p for p in (child, *child.children(recursive=True)) if _alive(p.pid)}
+        except psutil.NoSuchProcess:
+            continue  # it exited while we looked
+    return found
 
 
 def test_hanging_worker_times_out_and_leaves_nothing(tmp_path: Path):
@@ -55,7 +70,7 @@ def test_hanging_worker_times_out_and_leaves_nothing(tmp_path: Path):
     # under a load of 3; notebooks with ranks may run in the background beside this test (conftest.PREFETCH):
     # 20 s leaves them about three times that, and the test asserts that they did start
     timeout = 20.0
-    before = _live_children()  # earlier tests may leave helpers of their own (multiprocessing's resource tracker)
+    before = _direct_children()  # earlier tests may leave helpers of their own (multiprocessing's resource tracker)
     start = time.monotonic()
     with pytest.raises(TimeoutError):
         launch.run(WORKER, 2, ["--mode", "hang", "--pid-dir", str(tmp_path)], timeout=timeout,
@@ -67,7 +82,7 @@ def test_hanging_worker_times_out_and_leaves_nothing(tmp_path: Path):
     assert {"rank0", "rank1"} <= set(pids), f"the workers never started in {timeout} s: {pids}"
     left = {name: pid for name, pid in pids.items() if _alive(pid)}
     assert not left, f"processes left behind after the timeout: {left}"
-    children = _live_children() - before
+    children = _live_descendants_of_new_children(before)
     assert not children, f"the launch left children of the test process: {children}"
 
 
