@@ -3,6 +3,9 @@
 Each teaching module is explained by one chapter (its docstring says which), and imports only the modules
 listed above it:
 
+- ``timing``: warm-up, repeats, the fastest and the median (chapter 02; used everywhere);
+- ``kernels``: each low-precision kernel (bf16, FP8, torchao) timed on this CPU before it is trusted, its verdict
+  (native, slow, broken) and the emulated twins the chapters run where it is not native (chapters 00, 05, 06);
 - ``env``: device, seeds, profiles and their size tables, the CPU's bf16 speed (chapter 00);
 - ``data``: the offline ``shapes`` dataset, CIFAR-10, token sequences, loaders (chapter 00);
 - ``models``: the small CNNs and MLPs with a pluggable norm, and the tiny transformer (used from chapter 01 on);
@@ -10,7 +13,6 @@ listed above it:
   peaks and the curve of allocated bytes over a step (chapters 01, 05, 09, 11);
 - ``estimator``: the same bytes predicted from the model and the batch shape alone (chapters 01, 11);
 - ``lora``: freezing and LoRA, fine-tuning with fewer trainable bytes (chapter 01);
-- ``timing``: warm-up, repeats, the fastest and the median (chapter 02; used everywhere);
 - ``parallel_runs``: independent training runs in a few processes at once (chapters 02 and 04);
 - ``train``: one training loop, ``fit``, and the bare accumulation step (chapters 02-05);
 - ``norms``: GroupNorm by hand, MABN, BatchNorm folding; ``agc``: adaptive gradient clipping (chapter 04);

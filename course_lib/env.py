@@ -6,8 +6,8 @@ A *profile* names how big the experiments are:
 - ``cpu``: a laptop, at most three minutes per notebook and twenty for the course (``BUDGET_S``);
 - ``gpu``: one modern GPU, full sizes (it needs CUDA: see ``pick_profile``).
 
-Not every CPU runs bf16 at speed: ``cpu_speed`` measures it, and the notebooks whose bf16 cells would take
-minutes on a CPU that emulates bf16 run those cells smaller there (``bf16_is_slow``).
+Not every CPU runs bf16 at speed: ``cpu_speed`` reads ``kernels.probe("bf16")``, and the notebooks whose bf16
+cells would take minutes on a CPU that emulates bf16 run those cells smaller there (``bf16_is_slow``).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from __future__ import annotations
 import os
 import random
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, TypeVar
 
-from course_lib.timing import time_s  # env.time_s is timing.time_s (cpu_speed below times with it)
+from course_lib import kernels
+from course_lib.timing import time_s  # env.time_s is timing.time_s (kernels' probes time with it)
 
 if TYPE_CHECKING:
     import torch
@@ -55,10 +55,9 @@ MEASURED_CPU_S: dict[str, dict[str, tuple[int, int]]] = {
     "12": {"AVX512": (39, 54), "AVX2": (40, 57)},
     "13": {"AVX512": (96, 121), "AVX2": (90, 113)},
 }
-# A bf16 matmul this many times slower than the same fp32 one means the CPU emulates bf16. Measured: 0.2-0.5 on
-# CPUs with AVX512-BF16 or AMX; 30-60 on AVX2-only CPUs, where oneDNN has no bf16 kernel and converts element
-# by element. Anything between would still make a bf16 cell several times slower than its fp32 twin.
-BF16_SLOW_RATIO = 3.0
+# A bf16 matmul this many times slower than the same fp32 one means the CPU emulates bf16 (kernels.SLOW_RATIO says
+# where the figure comes from).
+BF16_SLOW_RATIO = kernels.SLOW_RATIO["bf16"]
 
 
 def check_profile(profile: str) -> str:
@@ -180,16 +179,18 @@ class CpuSpeed:
     """What this CPU's vector units are, and how fast it runs bf16 against fp32 (see ``cpu_speed``)."""
 
     capability: str        # torch.backends.cpu.get_cpu_capability(): "AVX512", "AVX2", "DEFAULT", ...
-    bf16_over_fp32: float  # time of a bf16 matmul over the same matmul in fp32, on one thread
+    bf16_over_fp32: float  # time of a bf16 matmul over the same matmul in fp32, on one thread (nan: not measured)
+    verdict: str = ""      # kernels.probe("bf16")'s verdict; "" derives it from the ratio
 
     @property
     def bf16_is_slow(self) -> bool:
-        """True where bf16 is emulated: its matmuls take several times fp32's."""
-        return self.bf16_over_fp32 > BF16_SLOW_RATIO
+        """True where bf16 is emulated (or broken, or forced so): its matmuls take several times fp32's."""
+        return self.verdict in ("slow", "broken") if self.verdict else self.bf16_over_fp32 > BF16_SLOW_RATIO
 
     def summary(self) -> str:
         """One line: the capability, the measured ratio, and what it means for the course."""
-        speed = (f"a bf16 matmul takes {self.bf16_over_fp32:.1f}x as long as fp32" if self.bf16_over_fp32 >= 1
+        speed = ("bf16 matmuls are broken or forced slow (`course doctor` says which)" if self.bf16_over_fp32 != self.bf16_over_fp32
+                 else f"a bf16 matmul takes {self.bf16_over_fp32:.1f}x as long as fp32" if self.bf16_over_fp32 >= 1
                  else f"a bf16 matmul takes {self.bf16_over_fp32:.2f} of fp32's time")
         meaning = ("bf16 is emulated on this CPU: the bf16 cells of the cpu profile run at smaller sizes there "
                    "(chapters 05 and 13 say so where they do), and bf16 times say nothing about a GPU"
@@ -197,28 +198,14 @@ class CpuSpeed:
         return f"{self.capability}, {speed} ({meaning})"
 
 
-@lru_cache(maxsize=1)
 def cpu_speed() -> CpuSpeed:
-    """Measure this CPU's bf16 / fp32 matmul time ratio once per process (about 0.1 s, 0.3 s where emulated).
-
-    A batched 4 x 256 x 256 product, the shape class of attention's matmuls (``bmm`` is where emulated bf16
-    loses most), on one thread so that a busy second core does not move it; the fastest of three calls each.
-    """
+    """This CPU's capability and its bf16 / fp32 matmul time ratio: ``kernels.probe("bf16")``, measured once per
+    machine (a batched 4 x 256 x 256 product, the shape class of attention's matmuls, on one thread)."""
     import torch
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        gen = torch.Generator().manual_seed(0)
-        a, b = torch.randn(4, 256, 256, generator=gen), torch.randn(4, 256, 256, generator=gen)  # host: a CPU benchmark
-        best = {}
-        for dtype in (torch.float32, torch.bfloat16):
-            x, y = a.to(dtype), b.to(dtype)
-            torch.bmm(x, y)  # warm-up: the first call picks and may build the kernel
-            best[dtype] = min(time_s(lambda: torch.bmm(x, y), "cpu") for _ in range(3))
-    finally:
-        torch.set_num_threads(threads)
-    return CpuSpeed(torch.backends.cpu.get_cpu_capability(), best[torch.bfloat16] / best[torch.float32])
+    v = kernels.probe("bf16")
+    return CpuSpeed(torch.backends.cpu.get_cpu_capability(), v.ratio if v.ratio is not None else float("nan"),
+                    v.verdict)
 
 
 def bf16_is_slow(device: "torch.device | str") -> bool:

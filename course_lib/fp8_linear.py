@@ -5,23 +5,44 @@ Forward ``y = x W^T``: x and W cast to e4m3 with per-tensor dynamic scales, mult
 incoming gradient cast to e5m2 (wider range, less precision: gradients span more decades than they need
 digits), then ``dX = dY W`` and ``dW = dY^T x`` in FP8 as well, from the e4m3 copies the forward saved (so the
 saved activation costs 1 byte an element, not 4). The master weight, its gradient and Adam's state stay float32.
-On a CPU this is slower than float32 (no FP8 units: the kernel converts); on an H100/H200 the FP8 tensor cores
-run about twice the bf16 rate.
+On a CPU this is slower than float32 (no FP8 units: the kernel converts; on some CPUs thousands of times slower,
+on some it raises); there ``scaled_mm`` runs ``scaled_mm_emulated``, the same numbers from an fp32 matmul, unless
+``kernels.probe("fp8")`` found the kernel native. On an H100/H200 the FP8 tensor cores run about twice the bf16 rate.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from course_lib import fp8
+from course_lib import fp8, kernels
 
 
 def scaled_mm(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
-    """``dequant(a) @ dequant(b)`` for FP8 ``a`` (M x K) and ``b`` (K x N), float32 out, with torch's kernel.
-    ``_scaled_mm`` wants the second operand column-major and the scales as the inverse (dequantizing) factors."""
+    """``dequant(a) @ dequant(b)`` for FP8 ``a`` (M x K) and ``b`` (K x N), float32 out: torch's kernel where this
+    machine runs it natively (``kernels.native("fp8")``), else ``scaled_mm_emulated``."""
+    if kernels.native("fp8", a_q.device):
+        return scaled_mm_kernel(a_q, a_scale, b_q, b_scale)
+    return scaled_mm_emulated(a_q, a_scale, b_q, b_scale)
+
+
+def scaled_mm_kernel(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor
+                     ) -> torch.Tensor:
+    """The product through ``torch._scaled_mm``: FP8 inputs, float32 accumulation and output, scales undone inside.
+    It wants the second operand column-major and the scales as the inverse (dequantizing) factors."""
     return torch._scaled_mm(a_q.contiguous(), b_q.t().contiguous().t(), scale_a=(1.0 / a_scale).reshape(()),
                             scale_b=(1.0 / b_scale).reshape(()), out_dtype=torch.float32)
+
+
+def scaled_mm_emulated(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor
+                       ) -> torch.Tensor:
+    """What ``_scaled_mm`` computes, in float32: each FP8 value (exact in float32) divided by its scale, then an
+    fp32 matmul (torchao's ``emulate`` computes the same way). Equal to the kernel to float32 rounding; a little
+    over fp32's time on any CPU (the two conversions)."""
+    return (a_q.float() / a_scale) @ (b_q.float() / b_scale)
 
 
 def cast_dynamic(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,6 +87,44 @@ class FP8Linear(nn.Linear):
         y = _FP8Matmul.apply(x.reshape(-1, x.shape[-1]).float(), self.weight)
         y = y.reshape(*lead, self.out_features)
         return y + self.bias if self.bias is not None else y
+
+
+class ScaledMMEmulation(TorchDispatchMode):
+    """Inside the block every ``torch._scaled_mm`` on a CPU computes ``scaled_mm_emulated``'s arithmetic instead,
+    whoever calls it: torchao's ``Float8Linear`` calls the kernel from inside its tensor subclass, so the subclass
+    is let through (``NotImplemented``) and its own call to the kernel is caught. (torchao's ``emulate`` option is
+    no twin: it changes torchao's numbers by about 1e-3 of the logits, against 3e-7 from the kernel.)"""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(t is not torch.Tensor for t in types):
+            return NotImplemented  # a tensor subclass (torchao's): let it run, and catch the kernel it calls
+        if func is not torch.ops.aten._scaled_mm.default or args[0].device.type != "cpu":
+            return func(*args, **kwargs)
+        a, b, inv_a, inv_b = args[:4]  # _scaled_mm takes the dequantizing (inverse) scales
+        extra = dict(zip(("bias", "scale_result", "out_dtype", "use_fast_accum"), args[4:]), **kwargs)
+        out = (a.float() * inv_a) @ (b.float() * inv_b)
+        out = out + extra["bias"] if extra.get("bias") is not None else out
+        return out.to(extra.get("out_dtype") or a.dtype)
+
+
+def scaled_mm_as_measured(kernel: str = "torchao", device: torch.device | str = "cpu"):
+    """A context in which ``torch._scaled_mm`` runs as this machine allows: the kernel itself where
+    ``kernels.probe(kernel)`` found it native, else ``ScaledMMEmulation``."""
+    return nullcontext() if kernels.native(kernel, device) else ScaledMMEmulation()
+
+
+def torchao_float8(model: nn.Module, **kwargs) -> nn.Module:
+    """torchao's ``convert_to_float8_training`` (its default recipe; ``kwargs`` go to it). Run the converted model
+    inside ``scaled_mm_as_measured("torchao")`` on a CPU."""
+    import logging
+
+    # torchao registers one of its enums with torch the way torch 2.14 deprecates, and torch logs a warning at the
+    # import: about torchao's code, nothing to do here
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+    from torchao.float8 import convert_to_float8_training
+
+    return convert_to_float8_training(model, **kwargs)
 
 
 def check_features(layer: nn.Linear, name: str) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from course_lib import env
+from course_lib import env, kernels
 from course_lib.tools import runner
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,6 +44,12 @@ ALONE = ("test_nb_07.py", "test_nb_08.py", "test_nb_09.py")
 # each core (about 1.5 times slower), the bubbles came out 0.01-0.04 above their formulas (the messages and wake-ups
 # the formulas leave out), against a tolerance of 0.05, and in one whole-suite run of two with these tests beside
 # the background notebooks, PipeDream's went past it.
+# The notebooks that read a low-precision kernel's verdict (course_lib.kernels) run again under forced verdicts, so
+# that the paths of CPUs nobody here has (bf16 emulated, _scaled_mm thousands of times slower or raising) run in
+# every test session, and their tests assert every claim on each path. A forced broken kernel raises when called,
+# so a path that still reaches it fails. 06 runs under both: slow still calls the kernel once to compare it with
+# its twin, broken does not. In 05 and 13 slow and broken take one path (the twin), so the stricter, broken, runs.
+FORCED = {"05": ("bf16=broken",), "06": ("all=slow", "all=broken"), "13": ("all=broken",)}
 SIDE_OUT = OUT / "side"
 _prefetch: dict[str, Path] = {}
 _prefetcher: subprocess.Popen | None = None
@@ -94,6 +100,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     modules = {getattr(getattr(item, "module", None), "__name__", "") for item in session.items}
     wanted = sorted(m.removeprefix("test_nb_") for m in modules if m.startswith("test_nb_"))
     chosen = [p for p in wanted if p in PREFETCH]
+    chosen += [f"{p}@{spec}" for p in chosen if p in FORCED for spec in FORCED[p]]  # after the plain runs
     if not (chosen or _side) or not _background_allowed():
         return
     folder = OUT / "prefetch"
@@ -104,8 +111,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     # one notebook after another, each summary written as JSON as soon as it is done
     code = ("import json, os, sys; from pathlib import Path; from course_lib.tools import runner\n"
             "for p in sys.argv[3:]:\n"
-            "    (nb,) = runner.find_notebooks([p])\n"
-            "    r = runner.execute(nb, sys.argv[1], Path(sys.argv[2]), progress=open(os.devnull, 'w'))\n"
+            "    prefix, _, forced = p.partition('@')\n"
+            "    (nb,) = runner.find_notebooks([prefix])\n"
+            "    r = runner.execute(nb, sys.argv[1], Path(sys.argv[2], forced_folder(forced)),\n"
+            "                       progress=open(os.devnull, 'w'), kernels=forced)\n"
             "    part = Path(sys.argv[2], 'prefetch', p + '.part')\n"
             "    part.write_text(json.dumps(r))\n"
             "    part.replace(part.with_suffix('.json'))  # whole, or not there\n")
@@ -120,6 +129,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
                  "                        env={**os.environ, 'COURSE_TEST_PREFETCH': '0'}).returncode\n"
                  f"Path({str(SIDE_OUT / 'rc')!r}).write_text(str(rc))\n")
     # a session of its own, so that an early stop can end the side pytest and its workers with it
+    code = f"def forced_folder(spec):\n    return {_FORCED_FOLDER!r}.format(spec) if spec else ''\n" + code
     _prefetcher = subprocess.Popen([sys.executable, "-c", code, PROFILE, str(OUT), *chosen], cwd=ROOT,
                                    stdout=subprocess.DEVNULL, stderr=open(folder / "log.txt", "w"),
                                    start_new_session=True)
@@ -179,20 +189,35 @@ def pytest_terminal_summary(terminalreporter) -> None:
     if _cache:
         terminalreporter.write_sep("-", f"notebooks executed at profile {PROFILE}")
         terminalreporter.write_line(runner.summary([_cache[k] for k in sorted(_cache)], PROFILE))
+        for k in sorted(k for k in _cache if "@" in k):
+            terminalreporter.write_line(f"[course]   {k}: under {kernels.FORCE_ENV}={k.split('@')[1]}")
 
 
-def notebook_claims(prefix: str) -> dict:
-    """Execute ``notebooks/<prefix>_*.ipynb`` at the test profile (once) and return its recorded claims.
+_FORCED_FOLDER = "forced-{}"  # where a notebook run under COURSE_KERNELS=spec writes, beside OUT's own runs
+
+
+def variants(prefix: str) -> list[str]:
+    """The kernel verdicts a notebook's tests run under: as measured here (""), then FORCED's."""
+    return ["", *FORCED.get(prefix, ())]
+
+
+def notebook_claims(prefix: str, forced: str = "") -> dict:
+    """Execute ``notebooks/<prefix>_*.ipynb`` at the test profile (once) and return its recorded claims;
+    ``forced``: under those kernel verdicts (``COURSE_KERNELS``), in a run of its own.
 
     Fails the test with the notebook's error when it does not run through.
     """
-    if prefix not in _cache:
+    key = f"{prefix}@{forced}" if forced else prefix
+    if key not in _cache:
         if prefix not in PREFETCH:
             _background_done()
-        _cache[prefix] = _prefetched(prefix) or runner.execute(runner.find_notebooks([prefix])[0], PROFILE, OUT)
-    result = _cache[prefix]
+        out = OUT / _FORCED_FOLDER.format(forced) if forced else OUT
+        _cache[key] = _prefetched(key) or runner.execute(runner.find_notebooks([prefix])[0], PROFILE, out,
+                                                         kernels=forced)
+    result = _cache[key]
     if result["error"]:
-        pytest.fail(f"{result['notebook']} failed at profile {PROFILE}:\n{result['error'][-3000:]}")
+        under = f" under {kernels.FORCE_ENV}={forced}" if forced else ""
+        pytest.fail(f"{result['notebook']} failed at profile {PROFILE}{under}:\n{result['error'][-3000:]}")
     return result["results"]
 
 

@@ -13,7 +13,7 @@ import nbformat
 import pytest
 import torch
 
-from course_lib import env
+from course_lib import env, kernels
 from course_lib.tools import cli, runner
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,6 +37,8 @@ def test_doctor_reports_versions_and_datasets(capsys):
     assert "torch" in out and "shapes dataset" in out and "CIFAR-10" in out
     assert f"cpu: {torch.backends.cpu.get_cpu_capability()}, a bf16 matmul takes" in out  # and what it means
     assert ("emulated" if env.cpu_speed().bf16_is_slow else "natively") in out
+    for k, what in kernels.KERNELS.items():  # every kernel's verdict, with what was measured
+        assert f"kernel {k}: {kernels.probe(k).verdict} (" in out and what in out
 
 
 def test_find_notebooks_by_prefix():
@@ -103,8 +105,8 @@ def test_summary_and_durations():
     lines = text.splitlines()
     cpu = env.cpu_speed()
     assert lines[0] == (f"[course] 2 notebook(s) at profile cpu in 3 min 20 s (5 min 28 s of CPU time) on a "
-                        f"{cpu.capability} CPU (bf16 {'emulated' if cpu.bf16_is_slow else 'native'}, "
-                        f"{cpu.bf16_over_fp32:.2g}x fp32's matmul time), 1 FAILED:")
+                        f"{cpu.capability} CPU ({kernels.probe('bf16').short()}, {kernels.probe('fp8').short()}), "
+                        "1 FAILED:")
     assert lines[1].split() == ["[course]", "notebook", "time", "CPU", "time", "status"]
     assert lines[2].split()[1:] == ["00_start_here", "10", "s", "8", "s", "ok"]
     # over the 3-minute budget at cpu, and said so; not at smoke, whose budget this is not
@@ -112,12 +114,15 @@ def test_summary_and_durations():
     assert "budget" not in runner.summary(runs, "smoke")
 
 
-def test_run_names_the_cpu_and_its_bf16_speed():
+def test_run_names_the_cpu_and_its_kernels():
     cpu = env.cpu_speed()
-    assert runner.cpu_note() == f"[course] CPU: {cpu.summary()}"
+    first, second = runner.cpu_note().splitlines()
+    assert first == f"[course] CPU: {cpu.summary()}"
+    for k in kernels.KERNELS:  # each kernel's verdict and ratio (or error, or that it was forced)
+        assert kernels.probe(k).short() in second
     table = runner.summary([{"notebook": "05_x.ipynb", "seconds": 200.0, "cpu_seconds": 190.0, "error": None,
                              "results": {}}], "cpu")
-    assert f"on a {cpu.capability} CPU (bf16 {'emulated' if cpu.bf16_is_slow else 'native'}" in table
+    assert f"on a {cpu.capability} CPU ({kernels.probe('bf16').short()}" in table
     assert "(over the 3 min 00 s budget)" in table  # env.BUDGET_S["cpu"]
 
 

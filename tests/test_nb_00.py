@@ -12,3 +12,7 @@ def test_start_here_claims():
     assert c["ch00/train_images_per_s"] > 0
     assert c["ch00/cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert c["ch00/cpu_bf16_over_fp32"] > 0
+    from course_lib import kernels
+    assert set(c["ch00/kernels"]) == set(kernels.KERNELS)  # every probed kernel, with its verdict
+    for v in c["ch00/kernels"].values():
+        assert v["verdict"] in kernels.VERDICTS and (v["error"] is not None) == (v["verdict"] == "broken" and not v["forced"])

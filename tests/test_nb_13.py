@@ -5,14 +5,15 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import notebook_claims
+from conftest import notebook_claims, variants
 
 pytestmark = pytest.mark.notebook
 
 
-@pytest.fixture(scope="module")
-def c() -> dict:
-    return notebook_claims("13")
+@pytest.fixture(scope="module", params=variants("13"), ids=lambda v: v or "measured")
+def c(request) -> dict:
+    """The claims as this CPU's kernels ran them, then under forced verdicts (conftest.FORCED)."""
+    return notebook_claims("13", request.param)
 
 
 def test_a_line_through_tiny_micro_batches_fails(c: dict, profile: str) -> None:

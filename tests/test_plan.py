@@ -10,7 +10,7 @@ import torch
 
 from torch.utils.flop_counter import FlopCounterMode
 
-from course_lib import env, memory, offload, planner
+from course_lib import env, kernels, memory, offload, planner
 from course_lib.data import make_tokens
 from course_lib.distributed.tensor_parallel import TPBlock, TPGroup
 from course_lib.fp8_linear import to_fp8_linears
@@ -335,15 +335,23 @@ def test_fused_attention_is_searched_for_attention_models_and_offload_only_on_a_
     assert default.measurements.fb.keys() == ({"fp32"} if env.bf16_is_slow("cpu") else {"fp32", "bf16"})
 
 
-def test_a_cpu_that_emulates_bf16_plans_fp32_and_says_so(monkeypatch):
-    monkeypatch.setattr(env, "cpu_speed", lambda: env.CpuSpeed("AVX2", 37.0))
-    p = planner.plan(MLP(hidden=(16,)), (3, 32, 32), 8, 32 * MiB)
-    assert p.measurements.fb.keys() == {"fp32"}
-    assert "bf16 and fp8 were not searched: this CPU emulates bf16 (37x" in p.explanation
-    with pytest.raises(ValueError, match="nothing fits.*bf16 and fp8 were not searched"):
-        planner.plan(MLP(hidden=(16,)), (3, 32, 32), 8, 1 * MiB)
-    monkeypatch.setattr(env, "cpu_speed", lambda: env.CpuSpeed("AVX512", 0.3))
-    assert planner.plan(MLP(hidden=(16,)), (3, 32, 32), 8, 32 * MiB).measurements.fb.keys() == {"fp32", "bf16"}
+@pytest.mark.parametrize("verdict", ["slow", "broken"])
+def test_a_cpu_whose_bf16_is_not_native_plans_fp32_and_says_so(monkeypatch, verdict):
+    monkeypatch.setenv("COURSE_KERNELS", f"bf16={verdict}")  # as on a CPU without bf16 instructions
+    kernels.probe.cache_clear()
+    try:
+        p = planner.plan(MLP(hidden=(16,)), (3, 32, 32), 8, 32 * MiB)
+        assert p.measurements.fb.keys() == {"fp32"}
+        assert f"bf16 and fp8 were not searched: this CPU's bf16 matmuls are not native (bf16 {verdict} (forced))" \
+            in p.explanation
+        with pytest.raises(ValueError, match="nothing fits.*bf16 and fp8 were not searched"):
+            planner.plan(MLP(hidden=(16,)), (3, 32, 32), 8, 1 * MiB)
+        monkeypatch.setenv("COURSE_KERNELS", "bf16=native")
+        kernels.probe.cache_clear()
+        assert planner.plan(MLP(hidden=(16,)), (3, 32, 32), 8, 32 * MiB).measurements.fb.keys() == {"fp32", "bf16"}
+    finally:
+        monkeypatch.delenv("COURSE_KERNELS")
+        kernels.probe.cache_clear()
 
 
 @pytest.mark.parametrize("cfg", [planner.Config("fp32", 4, 4, 1, 0, fused=True),

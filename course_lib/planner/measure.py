@@ -29,7 +29,7 @@ from course_lib.distributed import tp_costs
 from course_lib.distributed.zero import DEFAULT_BUCKET_MB, bucket_sizes
 from course_lib.models import TransformerBlock, lm_loss
 from course_lib.planner.config import pass_key
-from course_lib.planner.step import LossFn, attention_kernel, autocast, precision
+from course_lib.planner.step import LossFn, attention_kernel, autocast, bf16_kernels, precision
 
 BatchFn = Callable[[int], "tuple[torch.Tensor, torch.Tensor]"]
 
@@ -208,9 +208,10 @@ def calibrate(model: nn.Module, make_batch: BatchFn, loss_fn: LossFn, device: to
             key = pass_key(prec, kernel)
 
             def fwd_bwd(x, y, prec=prec, kernel=kernel):
-                with attention_kernel(model, kernel), precision(model, prec, device):
-                    loss = loss_fn(model(x), y)
-                loss.backward()
+                with bf16_kernels(prec, device):
+                    with attention_kernel(model, kernel), precision(model, prec, device):
+                        loss = loss_fn(model(x), y)
+                    loss.backward()
             fwd_bwd(x1, y1)
             opt.step()  # gradients and Adam's state exist from here on: measured above them
             points: dict[str, list] = {name: [] for name in lines}
@@ -234,9 +235,10 @@ def calibrate(model: nn.Module, make_batch: BatchFn, loss_fn: LossFn, device: to
                     h = inputs[m][1].requires_grad_()
 
                     def head_loss(h=h, y=y, prec=prec):
-                        with autocast(prec, device):
-                            loss = loss_fn(model.head(h), y)
-                        loss.backward()
+                        with bf16_kernels(prec, device):
+                            with autocast(prec, device):
+                                loss = loss_fn(model.head(h), y)
+                            loss.backward()
                     points["loss"].append(memory.peak_bytes(head_loss, device))
             for name, values in points.items():
                 if values:

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from course_lib import env, memory
+from course_lib import env, kernels, memory
 from course_lib.distributed.zero import DEFAULT_BUCKET_MB
 from course_lib.models import CausalSelfAttention
 from course_lib.planner.config import Config
@@ -198,7 +198,7 @@ def default_precisions(device: torch.device) -> tuple[tuple[str, ...], str]:
     elif device.type != "cpu":
         return ("fp32",), ""
     elif env.bf16_is_slow(device):
-        chosen, note = ("fp32",), f"this CPU emulates bf16 ({env.cpu_speed().bf16_over_fp32:.0f}x fp32's matmul time); "
+        chosen, note = ("fp32",), f"this CPU's bf16 matmuls are not native ({kernels.probe('bf16').short()}); "
     else:
         chosen, note = ("fp32", "bf16"), ""
     left = [p for p in ("bf16", "fp8") if p not in chosen]

@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from course_lib import chunked_loss, memory, offload
+from course_lib import chunked_loss, kernels, memory, offload
 from course_lib.checkpointing import checkpointed_sequential
 from course_lib.fp8_linear import FP8Linear, check_features
 from course_lib.models import CausalSelfAttention, lm_loss
@@ -62,10 +62,16 @@ def fp8_matmuls(model: nn.Module, on: bool = True) -> Iterator[nn.Module]:
             del m.forward
 
 
+def bf16_kernels(precision: str, device: torch.device | str):
+    """For ``"bf16"``, this machine's bf16 matmuls as measured (``kernels.bf16_matmuls``: emulated where the CPU's
+    are slow or broken); nothing otherwise. Around a backward too: its matmuls are bf16 as well."""
+    return kernels.bf16_matmuls(device) if precision == "bf16" else nullcontext()
+
+
 @contextmanager
 def precision(model: nn.Module, name: str, device: torch.device | str) -> Iterator[nn.Module]:
     """Both precision levers at once: ``autocast(name)`` and, for ``"fp8"``, ``fp8_matmuls``."""
-    with fp8_matmuls(model, name == "fp8"), autocast(name, device):
+    with fp8_matmuls(model, name == "fp8"), bf16_kernels(name, device), autocast(name, device):
         yield model
 
 
@@ -142,7 +148,8 @@ def train_step(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets:
     optimizer.zero_grad(set_to_none=True)
     total = 0.0
     with (fp8_matmuls(model, config.precision == "fp8"), checkpointing(model, config.segments),
-          attention_kernel(model, config.fused), offloading(model, config.offload)):
+          attention_kernel(model, config.fused), offloading(model, config.offload),
+          bf16_kernels(config.precision, inputs.device)):
         for x, y in zip(inputs.split(config.micro_batch), targets.split(config.micro_batch)):
             with autocast(config.precision, inputs.device):
                 loss = (chunked_loss.transformer_loss(model, x, y, config.loss_chunks) if config.loss_chunks > 1

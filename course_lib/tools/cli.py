@@ -42,10 +42,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from course_lib import data
 
+    from course_lib import kernels
+
     info = env.describe()
     problems = []
     for key, value in info.items():
         print(f"{key:>16}: {value}")
+    print(f"{'cpu model':>16}: {kernels.machine_key().split('|')[1]} ({kernels.machine_key().split('|')[0]})")
+    for v in kernels.probe_all().values():  # measured once per machine, then read from kernels.cache_dir()
+        print(f"{'kernel ' + v.kernel:>16}: {v.summary().split(': ', 1)[1]}; {kernels.KERNELS[v.kernel]}")
     try:
         print(f"{'profile':>16}: {env.pick_profile()} (set COURSE_PROFILE to smoke, cpu or gpu to change)")
     except ValueError as exc:  # an unknown COURSE_PROFILE, or gpu without CUDA

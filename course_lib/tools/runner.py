@@ -19,6 +19,7 @@ from typing import TextIO
 
 from course_lib import env, parallel_runs
 from course_lib.env import check_profile, duration
+from course_lib.kernels import FORCE_ENV, inductor_cache_dir
 from course_lib.tools import report
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,11 +132,12 @@ CELL_TIMEOUT = {"smoke": 900, "cpu": 3 * 3600, "gpu": 3600}
 
 
 def execute(notebook: Path, profile: str, out: Path, timeout: int | None = None,
-            progress: TextIO | None = None) -> dict:
+            progress: TextIO | None = None, kernels: str = "") -> dict:
     """Run one notebook with papermill; return ``{"notebook", "seconds", "results", "error"}``.
 
     ``timeout`` is the limit per cell in seconds (default: ``CELL_TIMEOUT[profile]``);
-    ``progress`` is where the cell-by-cell line goes (default: stdout). Besides the wall time, ``cpu_seconds``
+    ``progress`` is where the cell-by-cell line goes (default: stdout); ``kernels``, if given, forces kernel
+    verdicts in the kernel (``COURSE_KERNELS``, see ``course_lib.kernels``). Besides the wall time, ``cpu_seconds``
     is the CPU time of the kernel and every process it started (its workers, torchrun's ranks): unlike the wall
     time it barely changes when other work loads the machine.
     """
@@ -160,6 +162,11 @@ def execute(notebook: Path, profile: str, out: Path, timeout: int | None = None,
         "COURSE_RESULTS": str(results_file), "COURSE_FIGURES": str(out / "figures" / stem),
         "COURSE_PROFILE": profile, "COURSE_PROGRESS": "0", "PYDEVD_DISABLE_FILE_VALIDATION": "1",
     })
+    if kernels:
+        os.environ[FORCE_ENV] = kernels
+    # torch.compile's cache of this machine and ISA settings (chapter 11): a kernel built under other settings
+    # (ATEN_CPU_CAPABILITY=avx2, say) is never loaded here
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
     if profile in ONE_THREAD_PROFILES and "OMP_NUM_THREADS" not in env_before:
         os.environ["OMP_NUM_THREADS"] = "1"
     if profile in ONE_THREAD_PROFILES and parallel_runs.PROCESSES_ENV not in env_before:
@@ -245,8 +252,14 @@ def processes_note(profile: str) -> str:
 
 
 def cpu_note() -> str:
-    """This CPU's vector capability and measured bf16 speed, and what that means for the notebooks, in one line."""
-    return f"[course] CPU: {env.cpu_speed().summary()}"
+    """This CPU's vector capability and measured bf16 speed, and what that means for the notebooks; then every
+    low-precision kernel's verdict (``kernels.probe_all``), one line each."""
+    from course_lib import kernels
+
+    return "\n".join([f"[course] CPU: {env.cpu_speed().summary()}",
+                      "[course] low-precision kernels on this CPU: " + ", ".join(
+                          v.short() for v in kernels.probe_all().values())
+                      + "; where one is slow or broken the chapters run its emulated twin (`course doctor`)"])
 
 
 def run(names: list[str] | None, profile: str, out: Path, cell_timeout: int | None = None) -> list[dict]:
@@ -282,12 +295,13 @@ def summary(runs: list[dict], profile: str) -> str:
     total = sum(r["seconds"] for r in runs)
     cpu_total = sum(r.get("cpu_seconds", 0.0) for r in runs)
     failed = sum(bool(r["error"]) for r in runs)
+    from course_lib import kernels
+
     one = env.BUDGET_S["cpu"][0]  # marked at cpu only: smoke's budget is the test suite's, gpu's an estimate
     cpu = env.cpu_speed()
     lines = [f"[course] {len(runs)} notebook(s) at profile {profile} in {duration(total)}"
              + (f" ({duration(cpu_total)} of CPU time)" if cpu_total else "")
-             + f" on a {cpu.capability} CPU (bf16 {'emulated' if cpu.bf16_is_slow else 'native'}, "
-               f"{cpu.bf16_over_fp32:.2g}x fp32's matmul time)"
+             + f" on a {cpu.capability} CPU ({kernels.probe('bf16').short()}, {kernels.probe('fp8').short()})"
              + (f", {failed} FAILED" if failed else ", all ok") + ":",
              f"[course]   {'notebook':<{width}}  {'time':>12}  {'CPU time':>12}  status"]
     for r in runs:
