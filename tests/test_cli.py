@@ -153,6 +153,27 @@ def test_lab_command(monkeypatch):
         assert ("--allow-root" in argv) == as_root  # Jupyter refuses to start as root without it
 
 
+@pytest.mark.parametrize("args, jupyter_args", [
+    (["--port", "8890", "--no-browser", "--ip", "0.0.0.0"], ["--port", "8890", "--no-browser", "--ip", "0.0.0.0"]),
+    (["--", "--no-browser", "--port", "8893"], ["--no-browser", "--port", "8893"]),  # the `--` is not Jupyter's
+    (["--port=8894"], ["--port=8894"]),
+    ([], []),
+])
+def test_lab_passes_its_arguments_to_jupyter(monkeypatch, capsys, args, jupyter_args):
+    ran = []
+    monkeypatch.setattr(os, "execv", lambda path, argv: ran.append(argv))
+    assert cli.main(["lab", *args]) == 0
+    assert ran[0][:3] == [sys.executable, "-m", "jupyterlab"] and "--" not in ran[0]
+    assert ran[0][len(ran[0]) - len(jupyter_args):] == jupyter_args
+    assert " ".join(jupyter_args) in capsys.readouterr().out  # the command is shown before Jupyter starts
+
+
+def test_lab_help_is_the_course_s(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["lab", "--help"])
+    assert exit_.value.code == 0 and "Start JupyterLab on the course folder" in capsys.readouterr().out
+
+
 def test_runner_reports_a_failing_notebook(tmp_path):
     nb = _tiny_notebook(tmp_path / "00_broken.ipynb", "raise RuntimeError('boom')")
     result = runner.execute(nb, "smoke", tmp_path / "out")
