@@ -3,8 +3,11 @@
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import io
@@ -142,6 +145,22 @@ def test_gpu_profile_without_cuda_stops_course_run_and_the_notebook(tmp_path, mo
         assert result["error"] is None
     else:
         assert "needs a CUDA GPU" in result["error"] and "Choose 'cpu'" in result["error"]
+
+
+def test_download_without_a_network_says_what_failed_and_the_offline_way(tmp_path, monkeypatch, capsys):
+    from course_lib import data
+
+    def no_network(url, timeout=None):
+        raise urllib.error.URLError(socket.gaierror(-3, "Temporary failure in name resolution"))
+
+    monkeypatch.setattr(urllib.request, "urlopen", no_network)
+    monkeypatch.setattr(data, "DATA_ROOT", tmp_path)
+    assert cli.main(["download", "cifar10"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, f"one line, not a traceback:\n{err}"
+    assert "could not reach the download host www.cs.toronto.edu: [Errno -3] Temporary failure" in err
+    assert f"copy torchvision's cifar-10-batches-py folder (from a machine that has it) into {tmp_path}" in err
+    assert "course doctor" in err and list(tmp_path.iterdir()) == []  # no partial download left behind
 
 
 def test_lab_command(monkeypatch):

@@ -98,8 +98,14 @@ def _cmd_download(args: argparse.Namespace) -> int:
     if args.dataset != "cifar10":
         print(f"unknown dataset {args.dataset!r}; only cifar10 is downloadable", file=sys.stderr)
         return 2
-    data.load_dataset("cifar10", download=True)
-    print(f"CIFAR-10 is under {data.DATA_ROOT}")
+    if not data.cifar10_available(data.DATA_ROOT):
+        print(f"[course] downloading CIFAR-10 (about 170 MB) from {data.CIFAR10_URL}", flush=True)
+    try:
+        folder = data.download_cifar10(data.DATA_ROOT)
+    except ConnectionError as exc:
+        print(f"course download: {exc}", file=sys.stderr)
+        return 1
+    print(f"CIFAR-10 is under {folder}")
     return 0
 
 
