@@ -14,7 +14,14 @@ the learner passes ``download=True``.
 from __future__ import annotations
 
 import hashlib
+import http.client
 import math
+import shutil
+import tarfile
+import tempfile
+import urllib.error
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -30,6 +37,10 @@ DATASETS = ("shapes", "cifar10")
 # examples use); the shapes set is drawn to have similar statistics.
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
+# Where torchvision.datasets.CIFAR10 downloads from, and the archive's MD5 (its `url` and `tgz_md5`).
+CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
+CIFAR10_MD5 = "c58f30108f718f92721af3b95e74349a"
+CIFAR10_FOLDER = "cifar-10-batches-py"
 
 
 # How the shapes are drawn. Tuned by measurement (data/README.md has the numbers):
@@ -157,7 +168,54 @@ def load_dataset(
 
 def cifar10_available(root: str | Path = DATA_ROOT) -> bool:
     """True when torchvision's CIFAR-10 files are under ``root``."""
-    return (Path(root) / "cifar-10-batches-py" / "data_batch_1").exists()
+    return (Path(root) / CIFAR10_FOLDER / "data_batch_1").exists()
+
+
+def download_cifar10(root: str | Path = DATA_ROOT, timeout: float = 60.0) -> Path:
+    """Download and unpack CIFAR-10 (about 170 MB) into ``root``; returns its folder.
+
+    The archive goes to a temporary file and the folder is unpacked beside it, each renamed into place only when
+    complete, so a failed or interrupted download leaves nothing that looks like CIFAR-10. ``timeout`` is in seconds
+    for each network read (a stalled connection fails instead of hanging). Raises ``ConnectionError`` with the
+    offline alternative when the host cannot be reached.
+    """
+    root = Path(root)
+    folder = root / CIFAR10_FOLDER
+    if cifar10_available(root):
+        return folder
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root, prefix=".cifar10-download-") as tmp:  # removed however this ends
+        archive = Path(tmp) / "cifar-10-python.tar.gz"
+        md5, done = hashlib.md5(), 0
+        try:
+            with urllib.request.urlopen(CIFAR10_URL, timeout=timeout) as response, open(archive, "wb") as out:
+                total, shown = int(response.headers.get("Content-Length") or 0), 0
+                while chunk := response.read(1 << 20):
+                    md5.update(chunk)
+                    out.write(chunk)
+                    done += len(chunk)
+                    if total and done * 10 // total > shown:  # a line every tenth: minutes on a slow line
+                        shown = done * 10 // total
+                        print(f"CIFAR-10: {done / 2**20:.0f} of {total / 2**20:.0f} MiB", flush=True)
+        except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError) as exc:
+            host, reason = urllib.parse.urlsplit(CIFAR10_URL).netloc, getattr(exc, "reason", None) or exc
+            what = f"the download from {host} broke off after {done / 2**20:.0f} MiB" if done else \
+                f"could not reach the download host {host}"
+            raise ConnectionError(
+                f"{what}: {reason}. "
+                f"Offline: copy torchvision's {CIFAR10_FOLDER} folder (from a machine that has it) into {root}, "
+                "where `course doctor` then finds it") from exc
+        if md5.hexdigest() != CIFAR10_MD5:
+            raise ValueError(f"the CIFAR-10 download from {CIFAR10_URL} is damaged (MD5 {md5.hexdigest()}, expected "
+                             f"{CIFAR10_MD5}); run `course download cifar10` again")
+        with tarfile.open(archive) as tar:
+            # the MD5 vouches for the archive; where tarfile has filters (3.10.12+), "data" also keeps it inside tmp
+            tar.extractall(tmp, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+        if not (Path(tmp) / CIFAR10_FOLDER / "data_batch_1").exists():
+            raise ValueError(f"the archive from {CIFAR10_URL} holds no {CIFAR10_FOLDER}/data_batch_1")
+        shutil.rmtree(folder, ignore_errors=True)  # an incomplete folder from an earlier attempt
+        (Path(tmp) / CIFAR10_FOLDER).rename(folder)
+    return folder
 
 
 def _cifar10(split: str, n: int | None, root: Path, download: bool) -> Dataset:
@@ -167,9 +225,11 @@ def _cifar10(split: str, n: int | None, root: Path, download: bool) -> Dataset:
             "    course download cifar10\n"
             "or pass download=True; or use the offline default, load_dataset('shapes')."
         )
+    if download:
+        download_cifar10(root)
     import torchvision
 
-    ds = torchvision.datasets.CIFAR10(str(root), train=split == "train", download=download)
+    ds = torchvision.datasets.CIFAR10(str(root), train=split == "train")
     images = torch.from_numpy(ds.data).permute(0, 3, 1, 2).float() / 255  # (N, 32, 32, 3) uint8 -> (N, 3, 32, 32)
     labels = torch.tensor(ds.targets)
     if n is not None:

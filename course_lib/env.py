@@ -61,17 +61,24 @@ BF16_SLOW_RATIO = kernels.SLOW_RATIO["bf16"]
 
 
 def check_profile(profile: str) -> str:
-    """Return ``profile`` if it is known, else raise a ``ValueError`` that lists the choices."""
-    if profile not in PROFILES:
-        raise ValueError(
-            f"unknown profile {profile!r}: choose one of {', '.join(PROFILES)} "
-            "(set COURSE_PROFILE or pass --profile)"
-        )
-    return profile
+    """The known profile ``profile`` names, in lowercase, else a ``ValueError`` that lists the choices.
+
+    ``"CPU"`` and ``" cpu "`` are forgiven: a name typed into a parameters cell need not match in case or spaces.
+    """
+    where = "edit PROFILE in the notebook's parameters cell, set COURSE_PROFILE, or pass --profile"
+    if not isinstance(profile, str):
+        raise ValueError(f"a profile is a name such as 'cpu', not {type(profile).__name__} {profile!r}: "
+                         f"choose one of {', '.join(PROFILES)} ({where})")
+    name = profile.strip().lower()
+    if name not in PROFILES:
+        raise ValueError(f"unknown profile {profile!r}: choose one of {', '.join(PROFILES)} ({where})")
+    return name
 
 
 def pick_profile(requested: str | None = None) -> str:
     """The profile to run: ``requested``, else ``$COURSE_PROFILE``, else ``gpu`` with CUDA, else ``cpu``.
+
+    The name comes back lowercase and stripped (``check_profile``), so ``PROFILE = "CPU"`` runs the cpu sizes.
 
     Asking for ``gpu`` where PyTorch sees no CUDA device is an error, not a
     warning: the gpu sizes would run on the CPU for hours (a warning would

@@ -3,8 +3,11 @@
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import io
@@ -149,6 +152,22 @@ def test_gpu_profile_without_cuda_stops_course_run_and_the_notebook(tmp_path, mo
         assert "needs a CUDA GPU" in result["error"] and "Choose 'cpu'" in result["error"]
 
 
+def test_download_without_a_network_says_what_failed_and_the_offline_way(tmp_path, monkeypatch, capsys):
+    from course_lib import data
+
+    def no_network(url, timeout=None):
+        raise urllib.error.URLError(socket.gaierror(-3, "Temporary failure in name resolution"))
+
+    monkeypatch.setattr(urllib.request, "urlopen", no_network)
+    monkeypatch.setattr(data, "DATA_ROOT", tmp_path)
+    assert cli.main(["download", "cifar10"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, f"one line, not a traceback:\n{err}"
+    assert "could not reach the download host www.cs.toronto.edu: [Errno -3] Temporary failure" in err
+    assert f"copy torchvision's cifar-10-batches-py folder (from a machine that has it) into {tmp_path}" in err
+    assert "course doctor" in err and list(tmp_path.iterdir()) == []  # no partial download left behind
+
+
 def test_lab_command(monkeypatch):
     for uid, as_root in ((0, True), (1000, False)):
         monkeypatch.setattr(os, "geteuid", lambda uid=uid: uid, raising=False)
@@ -156,6 +175,27 @@ def test_lab_command(monkeypatch):
         assert argv[1:3] == ["-m", "jupyterlab"] and f"--ServerApp.root_dir={ROOT}" in argv
         assert "--KernelManager.transport_encryption=auto" in argv and argv[-2:] == ["--port", "8899"]
         assert ("--allow-root" in argv) == as_root  # Jupyter refuses to start as root without it
+
+
+@pytest.mark.parametrize("args, jupyter_args", [
+    (["--port", "8890", "--no-browser", "--ip", "0.0.0.0"], ["--port", "8890", "--no-browser", "--ip", "0.0.0.0"]),
+    (["--", "--no-browser", "--port", "8893"], ["--no-browser", "--port", "8893"]),  # the `--` is not Jupyter's
+    (["--port=8894"], ["--port=8894"]),
+    ([], []),
+])
+def test_lab_passes_its_arguments_to_jupyter(monkeypatch, capsys, args, jupyter_args):
+    ran = []
+    monkeypatch.setattr(os, "execv", lambda path, argv: ran.append(argv))
+    assert cli.main(["lab", *args]) == 0
+    assert ran[0][:3] == [sys.executable, "-m", "jupyterlab"] and "--" not in ran[0]
+    assert ran[0][len(ran[0]) - len(jupyter_args):] == jupyter_args
+    assert " ".join(jupyter_args) in capsys.readouterr().out  # the command is shown before Jupyter starts
+
+
+def test_lab_help_is_the_course_s(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["lab", "--help"])
+    assert exit_.value.code == 0 and "Start JupyterLab on the course folder" in capsys.readouterr().out
 
 
 def test_runner_reports_a_failing_notebook(tmp_path):

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import io
+import tarfile
+import urllib.request
+
 import pytest
 import torch
 
@@ -105,6 +110,48 @@ def test_missing_cifar_says_what_to_run(tmp_path) -> None:
     with pytest.raises(FileNotFoundError) as err:
         load_dataset("cifar10", root=tmp_path)
     assert "course download cifar10" in str(err.value) and str(tmp_path) in str(err.value)
+
+
+class _Response(io.BytesIO):
+    """What urlopen returns, for an archive of ``body``; ``fail_after`` bytes raise a dropped connection."""
+
+    def __init__(self, body: bytes, fail_after: int | None = None) -> None:
+        super().__init__(body)
+        self.headers, self.fail_after = {"Content-Length": str(len(body))}, fail_after
+
+    def read(self, size: int = -1) -> bytes:
+        if self.fail_after is not None and self.tell() >= self.fail_after:
+            raise ConnectionResetError(104, "Connection reset by peer")
+        return super().read(size)
+
+
+def _cifar_archive() -> bytes:
+    """A gzipped tar shaped like CIFAR-10's: the folder with a (tiny) first batch."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        info = tarfile.TarInfo(f"{data.CIFAR10_FOLDER}/data_batch_1")
+        info.size = 4
+        tar.addfile(info, io.BytesIO(b"data"))
+    return buffer.getvalue()
+
+
+def test_download_cifar10_renames_only_a_complete_archive(tmp_path, monkeypatch) -> None:
+    body = _cifar_archive()
+    monkeypatch.setattr(data, "CIFAR10_MD5", hashlib.md5(body).hexdigest())
+    # the connection drops half way: no archive, no folder, no temporary file is left
+    monkeypatch.setattr(urllib.request, "urlopen", lambda url, timeout: _Response(body + bytes(2 << 20), 1 << 20))
+    with pytest.raises(ConnectionError, match="broke off after 1 MiB: .*Connection reset by peer"):
+        data.download_cifar10(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    # damaged bytes: refused by their MD5, nothing left either
+    monkeypatch.setattr(urllib.request, "urlopen", lambda url, timeout: _Response(body[:-1] + b"x"))
+    with pytest.raises(ValueError, match="damaged .* run `course download cifar10` again"):
+        data.download_cifar10(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    # complete: the folder, and only the folder
+    monkeypatch.setattr(urllib.request, "urlopen", lambda url, timeout: _Response(body))
+    assert data.download_cifar10(tmp_path) == tmp_path / data.CIFAR10_FOLDER
+    assert [p.name for p in tmp_path.iterdir()] == [data.CIFAR10_FOLDER] and data.cifar10_available(tmp_path)
 
 
 def test_tokens_follow_a_hidden_stride() -> None:

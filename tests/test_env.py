@@ -12,9 +12,23 @@ def test_pick_profile_from_argument_env_and_hardware(monkeypatch):
     assert env.pick_profile("cpu") == "cpu"  # an explicit choice wins over the variable
 
 
+def test_a_profile_typed_in_another_case_or_with_spaces_is_forgiven(monkeypatch):
+    assert env.check_profile("CPU") == env.check_profile(" cpu ") == env.check_profile("Cpu\t") == "cpu"
+    assert env.check_profile(" SMOKE ") == "smoke" and env.check_profile("gpu") == "gpu"
+    assert env.pick_profile(" Cpu ") == "cpu"
+    monkeypatch.setenv("COURSE_PROFILE", "SMOKE ")
+    assert env.pick_profile() == "smoke"
+
+
 def test_unknown_profile_is_a_clear_error(monkeypatch):
     with pytest.raises(ValueError, match="unknown profile 'laptop'.*smoke, cpu, gpu"):
         env.pick_profile("laptop")
+    with pytest.raises(ValueError) as err:
+        env.check_profile("cpuu")
+    assert str(err.value) == ("unknown profile 'cpuu': choose one of smoke, cpu, gpu (edit PROFILE in the notebook's "
+                              "parameters cell, set COURSE_PROFILE, or pass --profile)")
+    with pytest.raises(ValueError, match=r"a profile is a name such as 'cpu', not int 1: .*parameters cell"):
+        env.check_profile(1)
     monkeypatch.setenv("COURSE_PROFILE", "huge")
     with pytest.raises(ValueError, match="COURSE_PROFILE"):
         env.pick_profile()

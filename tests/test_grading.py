@@ -567,6 +567,45 @@ def test_checks_compare_with_exact_types():
     assert raised(boom) == "ValueError: no", "the nearest built-in class names the error"
 
 
+def test_check_types_names_the_first_part_of_the_wrong_type():
+    import torch
+
+    from course_lib.tools.grading.checks import check_types
+
+    def message(got, want, **kw) -> str:
+        with pytest.raises(AssertionError) as err:
+            check_types(got, want, "f()", **kw)
+        return str(err.value)
+
+    assert message([["F", 0]], [("F", 0)]) == "f()[0] must be a tuple like ('F', 0); got a list ['F', 0]"
+    assert message(12.0, 12) == "f() must be an int like 12; got a float 12.0"
+    assert message({"a": [1, True]}, {"a": [1, 2]}) == "f()['a'][1] must be an int like 2; got a bool True"
+    assert message({"a": 1}, {"a": 1, "b": 2}) == "f() must have the keys ['a', 'b']; got ['a']"
+    assert message(torch.ones(2, dtype=torch.float64), torch.ones(2)) == \
+        "f() must be a torch.float32 tensor of shape (2,); got a torch.float64 tensor of shape (2,)"
+    assert message(None, [1]) == "f() must be a list like [1]; got None"
+    assert message(True, 1.0, numbers_alike=True) == "f() must be a float like 1.0; got a bool True"
+    check_types([("F", 0), ("B", 0)], [("F", 1), ("B", 1), ("F", 2)])  # values and lengths are the value checks' task
+    check_types({"x": 1, "y": [2.0]}, {"y": [2], "x": 1.0}, numbers_alike=True)
+
+
+def test_a_schedule_written_with_lists_is_told_its_type():
+    """Exercise 08's first question: a right order of ["F", 0] lists fails on the type, not as a wrong order."""
+    from course_lib.distributed.pipeline import make_schedule
+    from course_lib.tools.grading.checker import Checker
+
+    checker = Checker(load_exercise("08_pipeline_parallel"), hidden=False)
+    tuples = {"4, 6, 0": make_schedule("1f1b", 4, 6)[0], "4, 3, 3": make_schedule("1f1b", 4, 3)[3],
+              "4, 8": make_schedule("1f1b", 4, 8)}
+    lists = {"4, 6, 0": [list(op) for op in tuples["4, 6, 0"]], "4, 3, 3": [list(op) for op in tuples["4, 3, 3"]],
+             "4, 8": [[list(op) for op in stage] for stage in tuples["4, 8"]]}
+    verdicts = checker.check({"q1_one_f_one_b_test": lists})
+    assert verdicts["q1_one_f_one_b_test"].status == "failed"
+    assert verdicts["q1_one_f_one_b_test"].message == \
+        "a test failed: one_f_one_b_stage(4, 6, 0)[0] must be a tuple like ('F', 0); got a list ['F', 0]"
+    assert checker.check({"q1_one_f_one_b_test": tuples})["q1_one_f_one_b_test"].status == "passed"
+
+
 def test_forbidden_references_are_found_however_they_are_spelled():
     from course_lib.tools.grading.forbid import violations
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -27,6 +28,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_until_up(proc: subprocess.Popen, base: str, headers: dict, log: Path, seconds: float) -> dict:
+    """Poll the server's /api/status until it answers; fail with its log if it exits or takes over `seconds`."""
+    deadline = time.time() + seconds
+    while True:
+        try:
+            status = requests.get(f"{base}/api/status", headers=headers, timeout=2)
+            if status.ok:
+                return status.json()
+        except requests.ConnectionError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            pytest.fail(f"jupyter lab did not answer at {base}:\n" + log.read_text()[-2000:])
+        time.sleep(0.3)
+
+
 @pytest.fixture()
 def lab(tmp_path):
     port, token = _free_port(), uuid.uuid4().hex
@@ -38,16 +54,7 @@ def lab(tmp_path):
                             start_new_session=True)
     base, headers = f"http://127.0.0.1:{port}", {"Authorization": f"token {token}"}
     try:
-        deadline = time.time() + 90
-        while True:
-            try:
-                if requests.get(f"{base}/api/status", headers=headers, timeout=2).ok:
-                    break
-            except requests.ConnectionError:
-                pass
-            if proc.poll() is not None or time.time() > deadline:
-                pytest.fail("jupyter lab did not start:\n" + (tmp_path / "lab.log").read_text()[-2000:])
-            time.sleep(0.5)
+        _wait_until_up(proc, base, headers, tmp_path / "lab.log", seconds=90)
         yield base, headers, port, token, tmp_path / "lab.log"
     finally:
         try:
@@ -98,3 +105,29 @@ def test_lab_lists_the_course_and_runs_a_kernel(lab):
         assert "CurveZMQ" not in log.read_text() and "without encryption" not in log.read_text()
     finally:
         requests.delete(f"{base}/api/kernels/{kernel['id']}", headers=headers, timeout=10)
+
+
+def test_course_lab_passes_port_and_options_to_jupyter(tmp_path):
+    """`course lab --port P --no-browser` (options first, as the README writes them) starts JupyterLab on port P."""
+    port, token = _free_port(), uuid.uuid4().hex
+    cmd = [sys.executable, "-m", "course_lib.tools.cli", "lab", "--port", str(port), "--no-browser",
+           "--ip", "127.0.0.1", f"--IdentityProvider.token={token}"]
+    env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"), JUPYTER_CONFIG_DIR=str(tmp_path / "cfg"))
+    log = tmp_path / "lab.log"
+    with open(log, "w") as out:
+        # a session of its own, so that the whole tree (Jupyter replaces `course` in this process) can be ended
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        # it starts in a few seconds; a busy machine gets a minute, never longer
+        status = _wait_until_up(proc, f"http://127.0.0.1:{port}", {"Authorization": f"token {token}"}, log, 60)
+        assert "started" in status
+    finally:
+        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(proc.pid, sig)
+                proc.wait(timeout=wait)
+                break
+            except ProcessLookupError:
+                break
+            except subprocess.TimeoutExpired:
+                continue

@@ -75,13 +75,17 @@ def lab_argv(root: Path = ROOT, extra: list[str] | None = None) -> list[str]:
 
     As root (a container, a cloud VM) Jupyter refuses to start without
     ``--allow-root``, so it is added. Kernels get CurveZMQ keys, as in ``course run``.
+    A leading ``--`` in ``extra`` only marks where Jupyter's arguments begin, so it is dropped.
     """
+    extra = list(extra or [])
+    if extra[:1] == ["--"]:
+        extra = extra[1:]  # after a bare `--` Jupyter reads the rest as files to open, not as options
     argv = [sys.executable, "-m", "jupyterlab", f"--ServerApp.root_dir={root}"]
     argv += [f"--{cls}.{key}={value}" for cls, traits in runner.KERNEL_MANAGER_CONFIG.items()
              for key, value in traits.items()]
-    if hasattr(os, "geteuid") and os.geteuid() == 0 and "--allow-root" not in (extra or []):
+    if hasattr(os, "geteuid") and os.geteuid() == 0 and "--allow-root" not in extra:
         argv.append("--allow-root")
-    return argv + list(extra or [])
+    return argv + extra
 
 
 def _cmd_lab(args: argparse.Namespace) -> int:
@@ -99,8 +103,14 @@ def _cmd_download(args: argparse.Namespace) -> int:
     if args.dataset != "cifar10":
         print(f"unknown dataset {args.dataset!r}; only cifar10 is downloadable", file=sys.stderr)
         return 2
-    data.load_dataset("cifar10", download=True)
-    print(f"CIFAR-10 is under {data.DATA_ROOT}")
+    if not data.cifar10_available(data.DATA_ROOT):
+        print(f"[course] downloading CIFAR-10 (about 170 MB) from {data.CIFAR10_URL}", flush=True)
+    try:
+        folder = data.download_cifar10(data.DATA_ROOT)
+    except ConnectionError as exc:
+        print(f"course download: {exc}", file=sys.stderr)
+        return 1
+    print(f"CIFAR-10 is under {folder}")
     return 0
 
 
@@ -158,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("lab", help="start JupyterLab on the course folder (adds --allow-root when run as root)",
                        description="Start JupyterLab on the course folder. As root, --allow-root is added.")
     p.add_argument("jupyter_args", nargs=argparse.REMAINDER, metavar="JUPYTER_ARG",
-                   help="passed on to jupyter lab as they are, e.g. --port 8890 (default: none)")
+                   help="passed on to jupyter lab as they are, e.g. --port 8890 --no-browser; a leading -- "
+                        "is dropped (default: none)")
     p.set_defaults(func=_cmd_lab)
     p = sub.add_parser("download", help="download a dataset into data/",
                        description="Download a dataset into data/.")
@@ -225,8 +236,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = build_parser()
+    if argv[:1] == ["lab"] and argv[1:2] not in (["-h"], ["--help"]):
+        # everything after `lab` is Jupyter's, options included: argparse's REMAINDER would reject an option
+        # such as --port that comes first, so the lab command's arguments bypass the parser
+        args = parser.parse_args(["lab"])
+        args.jupyter_args = argv[1:]
+        return args
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = _parse(sys.argv[1:] if argv is None else list(argv))
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as exc:

@@ -149,7 +149,7 @@ def execute(notebook: Path, profile: str, out: Path, timeout: int | None = None,
     # papermill tries to parse the parameters cell line by line and warns on multi-line size tables: harmless
     logging.getLogger("papermill.translators").setLevel(logging.ERROR)
 
-    check_profile(profile)
+    profile = check_profile(profile)  # "CPU" is cpu: the timeouts, the thread caps and PROFILE use the lowercase name
     timeout = timeout or CELL_TIMEOUT[profile]
     out = Path(out).resolve()  # the kernel runs in notebooks/: a relative path would land there
     stem = notebook.stem

@@ -2,7 +2,7 @@
 
 - ``exercise``: the authoring convention (nbgrader metadata, test cells in inputs / answers / checks);
 - ``assign``: the learner's copy of a solutions notebook (``course assign``);
-- ``checks``: ``raised``, ``same`` and ``close``, which the test cells use;
+- ``checks``: ``raised``, ``check_types``, ``same`` and ``close``, which the test cells use;
 - ``wire``: the answers a kernel sends out, as plain data (no pickle);
 - ``isolation`` and ``sandbox``: where a learner's kernel runs, and what it cannot reach;
 - ``limits``: the processes, memory, file size and disk a kernel may use, in every mode;
