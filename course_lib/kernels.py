@@ -107,13 +107,15 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+_ISA_SETTINGS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")  # each changes which kernels run
+
+
 def machine_key() -> str:
     """What the verdicts depend on: the CPU, the ISA PyTorch picked, its version, and the settings that cap it."""
     import torch
 
-    parts = [platform.machine(), _cpu_name(), torch.backends.cpu.get_cpu_capability(), torch.__version__,
-             *(f"{k}={os.environ.get(k, '')}" for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"))]
-    return "|".join(parts)
+    return "|".join([platform.machine(), _cpu_name(), torch.backends.cpu.get_cpu_capability(), torch.__version__,
+                     *(f"{k}={os.environ.get(k, '')}" for k in _ISA_SETTINGS)])
 
 
 def cache_dir() -> Path:
@@ -127,9 +129,11 @@ def _cache_file() -> Path:
 
 
 def inductor_cache_dir() -> Path:
-    """A torch.compile cache of this machine's own: runs under other ISA settings (``ATEN_CPU_CAPABILITY``) on the
-    same machine get another folder, so no kernel built for one setting is loaded under another."""
-    return cache_dir() / f"inductor-{hashlib.sha256(machine_key().encode()).hexdigest()[:16]}"
+    """A torch.compile cache for this CPU and these ISA settings (chapter 11 compiles): a run held to AVX2
+    (``ATEN_CPU_CAPABILITY=avx2``) gets a folder of its own, so nothing it builds is loaded by a run that is not.
+    Without torch: ``course lab`` sets it before any kernel starts (inductor keys its entries by torch's version)."""
+    key = "|".join([platform.machine(), _cpu_name(), *(f"{k}={os.environ.get(k, '')}" for k in _ISA_SETTINGS)])
+    return cache_dir() / f"inductor-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
 def _ratio(kernel: Callable[[], object], fp32: Callable[[], object], limit: float) -> float:

@@ -57,6 +57,8 @@ _side: list[str] = []
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # torch.compile's cache for this CPU and its ISA settings, as `course run` uses (kernels.inductor_cache_dir)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(kernels.inductor_cache_dir()))
     try:  # an unknown profile, or gpu without CUDA: one clear message instead of a failure per notebook
         env.pick_profile(PROFILE)
     except ValueError as exc:

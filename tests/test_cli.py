@@ -186,7 +186,10 @@ def test_lab_command(monkeypatch):
 def test_lab_passes_its_arguments_to_jupyter(monkeypatch, capsys, args, jupyter_args):
     ran = []
     monkeypatch.setattr(os, "execv", lambda path, argv: ran.append(argv))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     assert cli.main(["lab", *args]) == 0
+    # chapter 11's kernels see a compile cache keyed by this CPU and its ISA settings
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(kernels.inductor_cache_dir())
     assert ran[0][:3] == [sys.executable, "-m", "jupyterlab"] and "--" not in ran[0]
     assert ran[0][len(ran[0]) - len(jupyter_args):] == jupyter_args
     assert " ".join(jupyter_args) in capsys.readouterr().out  # the command is shown before Jupyter starts

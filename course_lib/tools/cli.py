@@ -89,6 +89,10 @@ def lab_argv(root: Path = ROOT, extra: list[str] | None = None) -> list[str]:
 
 
 def _cmd_lab(args: argparse.Namespace) -> int:
+    from course_lib import kernels
+
+    # chapter 11's torch.compile cache, keyed by this CPU and its ISA settings (kernels.inductor_cache_dir)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(kernels.inductor_cache_dir()))
     argv = lab_argv(extra=args.jupyter_args)
     if "--allow-root" in argv and "--allow-root" not in args.jupyter_args:
         print("[course] running as root: adding --allow-root (Jupyter refuses to start as root without it)")
