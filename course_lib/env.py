@@ -30,12 +30,12 @@ if TYPE_CHECKING:
 PROFILES = ("smoke", "cpu", "gpu")
 T = TypeVar("T")
 
-# The course's time budgets, the one place they are stated (the README, chapter 00, `course run`'s table and
+# The course's time budgets, the one place they are stated (docs/running.md, chapter 00, `course run`'s table and
 # benchmarks/bench_notebooks.py read them from here): seconds (a notebook, the whole course) at each profile, on two
 # idle CPU cores of either kind (with or without native bf16; see cpu_speed). smoke is what the tests run.
 BUDGET_S = {"smoke": (90.0, 15 * 60.0), "cpu": (3 * 60.0, 20 * 60.0)}
 # What each notebook took at cpu on two idle cores: (wall, CPU) seconds from `course run`'s summary, on one machine
-# with each kind of CPU kernel (MEASURED_ON). The README's table shows these figures (a test holds the two equal)
+# with each kind of CPU kernel (MEASURED_ON). docs/running.md's table shows these figures (a test holds the two equal)
 # and each notebook's first cell prints its own row (budget_line): the one place they are stated.
 MEASURED_MACHINE = "a 2-core AMD EPYC"
 MEASURED_ON = {"AVX512": "with AVX-512 (native bf16)", "AVX2": "with PyTorch held to AVX2 kernels (bf16 emulated)"}

@@ -123,7 +123,7 @@ def test_budgets_are_stated_once():
 
     root = Path(__file__).resolve().parents[1]
     one, whole = (int(s / 60) for s in env.BUDGET_S["cpu"])
-    files = [root / "README.md", *sorted((root / "notebooks").glob("*.ipynb")),
+    files = [root / "README.md", *sorted((root / "docs").glob("*.md")), *sorted((root / "notebooks").glob("*.ipynb")),
              *sorted((root / "course_lib").rglob("*.py")), *sorted((root / "benchmarks").glob("*.py"))]
     per_notebook = re.compile(r"(\d+)[ -]minutes? (?:per|a) notebook|(\w+) minutes (?:per|a) notebook")
     per_course = re.compile(r"(\d+) (?:minutes )?for (?:`make course`|the (?:whole )?course)(?! on one)")  # not gpu
@@ -149,10 +149,10 @@ def _seconds(text: str) -> int:
 
 
 def test_readme_times_are_env_measured_times():
-    """The README's cpu table states env.MEASURED_CPU_S, the figures each notebook's first cell prints."""
+    """docs/running.md's cpu table states env.MEASURED_CPU_S, the figures each notebook's first cell prints."""
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "running.md").read_text()
     rows = {line.split("|")[1].strip()[:2]: [c.strip() for c in line.split("|")[2:6]]
             for line in readme.splitlines() if line.startswith("| ") and line[2:4].isdigit() and " s |" in line}
     assert set(rows) == set(env.MEASURED_CPU_S), sorted(rows)

@@ -228,14 +228,14 @@ def write_report(runs: list[dict], profile: str, out: Path) -> Path:
 
 
 def busy_note() -> str | None:
-    """A warning when other work already loads the CPU (the README's times are for idle cores), else None."""
+    """A warning when other work already loads the CPU (docs/running.md's times are for idle cores), else None."""
     if not hasattr(os, "getloadavg"):  # Windows
         return None
     load, cores = os.getloadavg()[0], os.cpu_count() or 1
     if load < 0.75 * cores:
         return None
     return (f"[course] note: the CPU is already busy (load average {load:.1f} on {cores} cores): notebooks will "
-            "take longer than the README's times, and timings will be noisier")
+            "take longer than docs/running.md's times, and timings will be noisier")
 
 
 def processes_note(profile: str) -> str:
