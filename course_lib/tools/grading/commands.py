@@ -76,12 +76,12 @@ def assign(args: argparse.Namespace) -> int:
 
 
 def format_result(result: GradeResult) -> str:
-    """A plain-text score table for one notebook."""
-    width = max(len(q.name) for q in result.questions)
+    """A plain-text score table for one notebook, its questions named by their titles."""
+    width = max(len(q.heading) for q in result.questions)
     lines = [f"{result.notebook} (exercise {result.exercise})"]
     for q in result.questions:
         pts = f"{points_text(q.score)}/{points_text(q.max_score)}"
-        lines.append(f"  {q.name:<{width}}  {pts:>5}  {q.status:<8}  {q.message}".rstrip())
+        lines.append(f"  {q.heading:<{width}}  {pts:>5}  {q.status:<8}  {q.message}".rstrip())
     lines.append(f"score: {points_text(result.score)}/{points_text(result.max_score)}")
     return "\n".join(lines)
 
@@ -162,10 +162,10 @@ def check(args: argparse.Namespace) -> int:
     for q in result.questions:
         hint = ex.question(q.name).hint
         word = "to do" if q.message.startswith("not implemented") else STATUS_WORD[q.status]
-        head = f"  [{word}] {q.name} ({points_text(q.max_score)} point{'' if q.max_score == 1 else 's'})"
+        head = f"  [{word}] {q.heading} ({points_text(q.max_score)} point{'' if q.max_score == 1 else 's'})"
         print(head if q.status == "passed" else f"{head}: {q.message}")
         # a hint helps with the function, not with another cell that raised or a dead kernel
-        helps = q.status in ("failed", "timeout") or q.message.startswith("your code raised")
+        helps = not q.earlier and (q.status in ("failed", "timeout") or q.message.startswith("your code raised"))
         if helps and hint and hint not in q.message:
             print(f"      hint: {hint}")
     passed = sum(q.status == "passed" for q in result.questions)

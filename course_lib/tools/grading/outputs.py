@@ -1,0 +1,142 @@
+"""Where a class's grades go, and what they hold: a CSV, a JSON, a summary, and feedback.
+
+Each file is written atomically (a temporary name, then a rename), after
+every graded notebook. Everything a learner chose (folder and file names, the
+text of their errors) is data: a CSV cell that a spreadsheet would read as a
+formula gets a leading apostrophe.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from course_lib.tools.grading.feedback import feedback_markdown
+from course_lib.tools.grading.grade import points_text
+from course_lib.tools.grading.isolation import describe
+
+if TYPE_CHECKING:
+    from course_lib.tools.grading.classroom import Submission
+
+
+def write_atomic(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path`` through a temporary file in the same folder, then rename it into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8", newline="") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def question_names(subs: list[Submission]) -> list[str]:
+    """Every question, in first-seen order."""
+    names: list[str] = []
+    for sub in subs:
+        for q in sub.result.questions if sub.result else []:
+            if q.name not in names:
+                names.append(q.name)
+    return names
+
+
+_FORMULA = ("=", "+", "-", "@", "\t", "\r", "\n")  # how a cell a spreadsheet runs as a formula can start
+
+
+def as_text(cells: list) -> list:
+    """A CSV row whose text cells a spreadsheet shows as text: one that starts like a formula (``=``, ``+``,
+    ``-``, ``@``, or a tab or line break before one) gets a leading apostrophe, which it hides."""
+    return ["'" + c if isinstance(c, str) and c.startswith(_FORMULA) else c for c in cells]
+
+
+def csv_text(subs: list[Submission]) -> str:
+    """Columns: student, submission, exercise, score, max_score, per question its points and its reason, problem."""
+    questions = question_names(subs)
+    out = io.StringIO()
+    w = csv.writer(out)
+    w.writerow(as_text(["student", "submission", "exercise", "score", "max_score",
+                        *[c for q in questions for c in (q, f"{q}_reason")], "problem"]))
+    for sub in subs:
+        if sub.result is None:
+            w.writerow(as_text([sub.student, sub.rel, sub.exercise.name if sub.exercise else "", "", "",
+                                *[""] * (2 * len(questions)), sub.problem]))
+            continue
+        by_name = {q.name: q for q in sub.result.questions}
+        cells = []
+        for name in questions:
+            q = by_name.get(name)
+            cells += [points_text(q.score), "" if q.status == "passed" else f"{q.status}: {q.message}"] if q else ["", ""]
+        problems = "; ".join(f"{q.name}: {q.status}" for q in sub.result.questions if q.status != "passed")
+        w.writerow(as_text([sub.student, sub.rel, sub.result.exercise, points_text(sub.result.score),
+                            points_text(sub.result.max_score), *cells, problems]))
+    return out.getvalue()
+
+
+def summary(subs: list[Submission]) -> list[dict]:
+    """Per exercise and question: notebooks graded, mean points, maximum, pass rate."""
+    rows: dict[tuple[str, str], list] = {}
+    for sub in subs:
+        for q in sub.result.questions if sub.result else []:
+            rows.setdefault((sub.result.exercise, q.name), []).append(q)
+    return [{"exercise": ex, "question": name, "graded": len(qs), "max_score": qs[0].max_score,
+             "mean_score": round(statistics.fmean(q.score for q in qs), 3),
+             "pass_rate": round(sum(q.status == "passed" for q in qs) / len(qs), 3)}
+            for (ex, name), qs in rows.items()]
+
+
+def summary_text(rows: list[dict]) -> str:
+    """The summary as a table for the terminal."""
+    head = ("exercise", "question", "graded", "mean", "max", "pass rate")
+    table = [head] + [(r["exercise"], r["question"], str(r["graded"]), f"{r['mean_score']:g}",
+                       points_text(r["max_score"]), f"{100 * r['pass_rate']:.0f}%") for r in rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table)
+
+
+def summary_csv(rows: list[dict]) -> str:
+    """The summary as CSV: exercise, question, graded, mean_score, max_score, pass_rate."""
+    out = io.StringIO()
+    w = csv.DictWriter(out, fieldnames=["exercise", "question", "graded", "mean_score", "max_score", "pass_rate"])
+    w.writeheader()
+    w.writerows(dict(zip(r, as_text(list(r.values())))) for r in rows)
+    return out.getvalue()
+
+
+@dataclass
+class Outputs:
+    """Where a class's grades go: the CSV at ``csv``, the JSON and the summary beside it, and one feedback file
+    per graded notebook under ``feedback`` (none if ``None``)."""
+
+    csv: Path
+    feedback: Path | None = None
+    isolation: str = ""
+
+    def paths(self) -> dict[str, Path]:
+        out = {"csv": self.csv, "json": self.csv.with_suffix(".json"),
+               "summary": self.csv.with_name(f"{self.csv.stem}_summary.csv")}
+        return {**out, "feedback": self.feedback} if self.feedback is not None else out
+
+    def update(self, subs: list[Submission], done: Submission | None = None) -> dict[str, Path]:
+        """Rewrite the CSV, the JSON and the summary for ``subs``, each atomically, and write the feedback of
+        ``done`` (``None``: of every graded notebook); the paths. Called as each notebook finishes, so that a
+        stopped run keeps what was graded; rewriting the tables costs time linear in the class, each time."""
+        paths, rows = self.paths(), summary(subs)
+        detail = describe(self.isolation) if self.isolation else ""
+        json_doc = {"isolation": self.isolation, "isolation_detail": detail, "summary": rows, "submissions": [
+            {"student": s.student, "submission": s.rel, **(s.result.as_dict() if s.result else {"error": s.problem})}
+            for s in subs]}
+        write_atomic(paths["csv"], csv_text(subs))
+        write_atomic(paths["json"], json.dumps(json_doc, indent=1))
+        write_atomic(paths["summary"], summary_csv(rows))
+        if self.feedback is not None:
+            for s in subs if done is None else [done]:
+                if s.result is not None:
+                    write_atomic(self.feedback / s.student / f"{s.result.exercise}.md", feedback_markdown(s))
+        return paths
