@@ -1,4 +1,5 @@
-"""The instructor's side of grading: feedback a learner can act on.
+"""The instructor's side of grading: feedback a learner can act on, outputs kept apart from the submissions,
+and regrading one student in place.
 
 A tiny exercise with an imports cell and a heading above each question, built in a temporary folder; each
 graded notebook costs a kernel start of a second or two.
@@ -7,12 +8,16 @@ graded notebook costs a kernel start of a second or two.
 from __future__ import annotations
 
 import argparse
+import csv
+import json
+import stat
 from pathlib import Path
 
 import nbformat
 import pytest
 from test_grading import ADD_ONE, ADD_ONE_TEST, SHORT, _cell, _notebook
 
+from course_lib.tools import cli
 from course_lib.tools.grading import assign, commands
 from course_lib.tools.grading.classroom import Submission, feedback_markdown
 from course_lib.tools.grading.exercise import Catalog, grade_id
@@ -61,6 +66,12 @@ def _learner(titled: dict[str, Path], path: Path, q1: str = "    return x + 1",
     return path
 
 
+def _args(folder: Path, **kw) -> argparse.Namespace:
+    base = dict(notebook=str(folder), timeout=SHORT, json=False, csv=None, feedback=None, jobs=None, only=None,
+                notebook_timeout=60)
+    return argparse.Namespace(**{**base, **kw})
+
+
 # ----- feedback a learner can act on ---------------------------------------------------------------------
 
 
@@ -91,3 +102,75 @@ def test_a_wrong_function_still_gets_its_hint_under_its_title(titled):
     text = feedback_markdown(Submission(path, rel="wrong/91_titled.ipynb", exercise=ex, result=result))
     assert f"| {TITLES['q1_add_one_test']} | 1/1 | passed |" in text and "hint: add x to itself." in text
     assert commands.format_result(result).splitlines()[1].split()[:3] == ["Question", "1:", "add"]
+
+
+# ----- a class: outputs apart and private, regrading one student --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def graded(titled, tmp_path_factory) -> dict:
+    """A class of two (alice right, bob wrong on q2) graded with the defaults."""
+    base = tmp_path_factory.mktemp("class")
+    folder = base / "submissions"
+    _learner(titled, folder / "alice" / "91_titled.ipynb")
+    _learner(titled, folder / "bob" / "91_titled.ipynb", q2="    return x")
+    args = _args(folder, solutions=titled["solutions"], jobs=2)
+    assert commands.grade(args) == 0
+    return {"folder": folder, "out": base / "submissions-grades", "args": args}
+
+
+def test_grades_are_written_beside_the_submissions_privately_one_folder_per_student(graded, capsys):
+    out = graded["out"]
+    assert sorted(p.relative_to(graded["folder"]).as_posix() for p in graded["folder"].rglob("*")) == [
+        "alice", "alice/91_titled.ipynb", "bob", "bob/91_titled.ipynb"], "nothing is written among the submissions"
+    files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert files == ["feedback/alice/91_titled.md", "feedback/bob/91_titled.md", "grades.csv", "grades.json",
+                     "grades_summary.csv"]
+    for path in [out, *out.rglob("*")]:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        assert mode == (0o700 if path.is_dir() else 0o600), f"{path} has mode {oct(mode)}"
+    assert "1 of 3 points" in (out / "feedback" / "bob" / "91_titled.md").read_text()
+
+
+def test_outputs_inside_the_submissions_are_refused(graded, capsys):
+    folder = graded["folder"]
+    for option in (["--csv", str(folder / "grades.csv")], ["--feedback", str(folder / "alice" / "fb")]):
+        assert cli.main(["grade", str(folder), *option]) == 2
+        err = capsys.readouterr().err
+        assert "inside the submissions folder" in err and "submissions-grades" in err, err
+    assert not (folder / "grades.csv").exists() and not (folder / "alice" / "fb").exists()
+
+
+def test_an_option_the_single_notebook_mode_ignores_is_an_error(graded, capsys):
+    notebook = graded["folder"] / "alice" / "91_titled.ipynb"
+    assert cli.main(["grade", str(notebook), "--csv", str(graded["out"] / "x.csv")]) == 2
+    err = capsys.readouterr().err
+    assert "--csv works with a folder of submissions" in err and "--only STUDENT" in err, err
+    assert not (graded["out"] / "x.csv").exists()
+
+
+def test_one_student_is_regraded_in_place(graded, titled, capsys):
+    folder, out = graded["folder"], graded["out"]
+    before = {p: p.read_bytes() for p in (out / "grades.csv", out / "feedback" / "alice" / "91_titled.md")}
+    alice_json = json.loads((out / "grades.json").read_text())["submissions"][0]
+    with pytest.raises(ValueError, match="--only carol: no submission"):
+        commands.grade(_args(folder, solutions=titled["solutions"], only=["carol"]))
+    _learner(titled, folder / "bob" / "91_titled.ipynb")  # bob's corrected notebook
+    assert commands.grade(_args(folder, solutions=titled["solutions"], only=["bob"])) == 0
+    assert "1 of 1 notebooks graded again" in capsys.readouterr().err
+    rows = {r["student"]: r for r in csv.DictReader((out / "grades.csv").read_text().splitlines())}
+    old = {r["student"]: r for r in csv.DictReader(before[out / "grades.csv"].decode().splitlines())}
+    assert rows["alice"] == old["alice"] and (old["bob"]["score"], rows["bob"]["score"]) == ("1", "3")
+    doc = json.loads((out / "grades.json").read_text())
+    assert doc["submissions"][0] == alice_json and doc["submissions"][1]["score"] == 3
+    assert {r["question"]: r["pass_rate"] for r in doc["summary"]}["q2_double_test"] == 1
+    assert "3 of 3 points" in (out / "feedback" / "bob" / "91_titled.md").read_text()
+    assert (out / "feedback" / "alice" / "91_titled.md").read_bytes() == before[out / "feedback" / "alice" / "91_titled.md"]
+
+
+def test_regrading_needs_an_earlier_run(titled, tmp_path):
+    folder = tmp_path / "class"
+    _learner(titled, folder / "dana" / "91_titled.ipynb")
+    with pytest.raises(ValueError, match="grade the whole class first"):
+        commands.grade(_args(folder, solutions=titled["solutions"], only=["dana"]))
+    assert not (tmp_path / "class-grades" / "grades.csv").exists()

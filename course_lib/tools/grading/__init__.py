@@ -11,8 +11,8 @@
 - ``checker``: the instructor's checks, run in the grader on the answers;
 - ``forbid``: what a question's answer must not call;
 - ``grade``: one notebook (``course grade``, ``course check``);
-- ``classroom``: a folder of submissions in parallel;
-- ``outputs``: where a class's grades go and what they hold (CSV, JSON, summary);
+- ``classroom``: a folder of submissions in parallel, or some of them again (a regrade);
+- ``outputs``: where a class's grades go (beside the submissions, never inside) and what they hold;
 - ``feedback``: what a learner is handed back, questions named by their titles;
 - ``workers``: the worker processes that grade them, each notebook under a deadline;
 - ``release``: the learner's copy of the course (``course release``);

@@ -1,7 +1,9 @@
 """Grade a folder of submissions (``course grade FOLDER``): in parallel, into a CSV, a summary and feedback.
 
-The outputs are in ``outputs`` (where they go and what they hold) and
-``feedback`` (what a learner reads).
+The outputs (``outputs``: where they go and what they hold; ``feedback``:
+what a learner reads) are written outside the class's folder. With ``only``,
+the named students' (or notebooks') submissions are graded again into an
+earlier run's outputs, whose other rows stay as they were.
 
 Any layout works: ``submissions/alice/01_memory_anatomy.ipynb`` or
 ``submissions/alice_01_memory_anatomy.ipynb``; the student is the first
@@ -38,7 +40,7 @@ from course_lib.tools.grading.feedback import as_markdown, feedback_markdown, hi
 from course_lib.tools.grading.grade import GradeResult, grade_notebook
 from course_lib.tools.grading.isolation import Limits, detect
 from course_lib.tools.grading.outputs import (  # noqa: F401
-    Outputs, as_text, csv_text, summary, summary_csv, summary_text, write_atomic,
+    Outputs, as_text, csv_text, read_earlier, summary, summary_csv, summary_text, write_atomic,
 )
 
 PENDING = "not graded yet: grading was still running, or was stopped before this notebook"
@@ -163,14 +165,44 @@ def _grade(subs: list[Submission], settings: Settings, jobs: int,
     return lost
 
 
+def select(subs: list[Submission], only: list[str], folder: Path) -> list[Submission]:
+    """The submissions ``only`` names, each by its student id, or by its path (under ``folder``, or as given)."""
+    chosen: list[Submission] = []
+    for name in only:
+        given = Path(name).resolve() if Path(name).is_file() else None
+        hits = [s for s in subs if name in (s.student, s.rel) or s.path.resolve() == given]
+        if not hits:
+            known = sorted({s.student for s in subs})
+            raise GradingError(f"--only {name}: no submission under {folder} is that student's or that notebook; "
+                               f"the students are {', '.join(known[:20])}{', ...' if len(known) > 20 else ''}")
+        chosen += [s for s in hits if s not in chosen]
+    return chosen
+
+
+def earlier_rows(doc: dict, catalog: Catalog) -> list[Submission]:
+    """The rows of an earlier run's ``grades.json`` (``outputs.read_earlier``), as submissions."""
+    rows = []
+    for row in doc["submissions"]:
+        sub = Submission(Path(row["submission"]), rel=row["submission"], student=row["student"],
+                         exercise=catalog.exercises.get(row["exercise"]), problem=row.get("error", ""))
+        try:
+            sub.result = None if "error" in row else GradeResult.from_dict(row)
+        except (KeyError, TypeError) as exc:
+            raise GradingError(f"a row of the earlier grades.json ({sub.rel}) lacks {exc}: grade the whole "
+                               "class again") from None
+        rows.append(sub)
+    return rows
+
+
 def grade_folder(folder: Path | str, timeout: int = 60, solutions: Path | str | None = None,
                  progress: Callable[[Submission], None] | None = None, jobs: int = 1,
                  notebook_timeout: float | None = None, isolation: str | None = None,
                  hide: list[Path] | None = None, limits: Limits | None = None, outputs: Outputs | None = None,
-                 deadline: float | None = None) -> list[Submission]:
+                 deadline: float | None = None, only: list[str] | None = None) -> list[Submission]:
     """Grade every notebook under ``folder`` with ``jobs`` parallel workers (each notebook in its own kernel,
     within ``limits``, each worker within ``deadline`` seconds a notebook: default ``notebook_deadline``).
-    ``outputs``: where the grades are written, updated as each notebook finishes."""
+    ``outputs``: where the grades are written, updated as each notebook finishes. ``only``: grade just these
+    students or notebooks (see ``select``), into the earlier rows of ``outputs``; the graded ones are returned."""
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"no such folder: {folder}")
@@ -190,7 +222,12 @@ def grade_folder(folder: Path | str, timeout: int = 60, solutions: Path | str | 
             sub.problem = str(exc)
         sub.student = student_id(Path(sub.rel), sub.exercise.name if sub.exercise else None)
         subs.append(sub)
-    refuse_collisions(subs)
+    refuse_collisions(subs)  # over the whole class, regrading or not: an id means one student
+    if only is not None:
+        subs = select(subs, only, folder)
+        if outputs is not None:
+            earlier = read_earlier(outputs.paths()["json"])
+            outputs.kept = earlier_rows(earlier, catalog)
     settings = Settings(timeout, notebook_timeout, isolation, [folder, catalog.folder, *(hide or [])],
                         threads=max(1, (os.cpu_count() or 1) // jobs), limits=limits or Limits.from_env(),
                         deadline=deadline)

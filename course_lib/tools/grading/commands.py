@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from course_lib.tools.grading.exercise import EXERCISES, Catalog, read_notebook
+from course_lib.tools.grading.exercise import EXERCISES, Catalog, GradingError, read_notebook
 from course_lib.tools.grading.grade import GradeResult, grade_notebook, points_text
 
 STATUS_WORD = {"passed": "ok", "failed": "failed", "error": "error", "timeout": "timeout", "rejected": "rejected"}
@@ -93,6 +93,7 @@ def grade(args: argparse.Namespace) -> int:
         return _grade_folder(target, args)
     if not target.is_file():
         raise missing_notebook(target, "grade")
+    refuse_folder_options(args, target)
     path = target
     ex = Catalog(_solutions(args)).find(read_notebook(path), path)
     from course_lib.tools.grading import isolation
@@ -104,16 +105,33 @@ def grade(args: argparse.Namespace) -> int:
     return 0
 
 
+FOLDER_OPTIONS = {"csv": "--csv", "feedback": "--feedback", "only": "--only", "jobs": "-j"}
+
+
+def refuse_folder_options(args: argparse.Namespace, notebook: Path) -> None:
+    """Raise ``GradingError`` for an option that only grading a folder uses (it would do nothing here)."""
+    given = [flag for key, flag in FOLDER_OPTIONS.items() if getattr(args, key, None) is not None]
+    if given:
+        raise GradingError(
+            f"{', '.join(given)} work{'s' if len(given) == 1 else ''} with a folder of submissions; grading the one "
+            f"notebook {notebook} writes no file and only prints its grade. To grade one student into a class's "
+            "outputs, name the class's folder: course grade SUBMISSIONS --only STUDENT (see docs/instructors.md)")
+
+
 def _grade_folder(folder: Path, args: argparse.Namespace) -> int:
     from course_lib.tools.grading import isolation
-    from course_lib.tools.grading.classroom import Outputs, Submission, grade_folder, summary, summary_text
+    from course_lib.tools.grading.classroom import Submission, grade_folder, summary, summary_text
+    from course_lib.tools.grading.outputs import Outputs, default_csv, refuse_inside
 
-    csv_path = Path(args.csv) if getattr(args, "csv", None) else folder / "grades.csv"
+    csv_path = Path(args.csv) if getattr(args, "csv", None) else default_csv(folder)
     feedback = getattr(args, "feedback", None)
     feedback_dir = None if feedback == "none" else Path(feedback) if feedback else csv_path.parent / "feedback"
+    refuse_inside(folder, csv_path, feedback_dir)
+    jobs = getattr(args, "jobs", None) or 1
+    only = getattr(args, "only", None)
     mode = isolation.detect()
     print(f"[course] isolation: {isolation.describe(mode)}", file=sys.stderr, flush=True)
-    print(f"[course] {getattr(args, 'jobs', 1)} worker(s)", file=sys.stderr, flush=True)
+    print(f"[course] {jobs} worker(s)", file=sys.stderr, flush=True)
 
     finished: list[Submission] = []
 
@@ -128,15 +146,16 @@ def _grade_folder(folder: Path, args: argparse.Namespace) -> int:
     outputs = Outputs(csv_path, feedback_dir, isolation=mode)
     try:
         subs = grade_folder(folder, timeout=args.timeout, solutions=_solutions(args), progress=progress,
-                            jobs=getattr(args, "jobs", 1), notebook_timeout=getattr(args, "notebook_timeout", None),
-                            hide=[csv_path.parent, *([feedback_dir] if feedback_dir else [])], outputs=outputs)
+                            jobs=jobs, notebook_timeout=getattr(args, "notebook_timeout", None),
+                            hide=[csv_path.parent, *([feedback_dir] if feedback_dir else [])], outputs=outputs,
+                            only=only)
     except KeyboardInterrupt:
         done = sum(s.result is not None for s in finished)
         print(f"\n[course] stopped: the {done} notebook(s) graded so far are written to {csv_path}; the others "
               "are listed as not graded yet. Grade again to finish.", file=sys.stderr)
         return 130
     out = outputs.paths()
-    rows = summary(subs)
+    rows = summary(outputs.rows(subs))
     if args.json:
         print(json.dumps([{"student": s.student, **(s.result.as_dict() if s.result else
                                                     {"notebook": str(s.path), "error": s.problem})}
@@ -145,8 +164,11 @@ def _grade_folder(folder: Path, args: argparse.Namespace) -> int:
         print(summary_text(rows))
     failed = [s for s in subs if s.result is None]
     where = ", ".join(str(p) for p in out.values())
-    print(f"[course] {len(subs) - len(failed)} of {len(subs)} notebooks graded; written: {where}",
-          file=sys.stderr)
+    print(f"[course] {len(subs) - len(failed)} of {len(subs)} notebooks graded{' again' if only else ''}; "
+          f"written: {where}", file=sys.stderr)
+    if feedback_dir is not None:
+        print(f"[course] to hand back: each folder {feedback_dir}{os.sep}<student>{os.sep} holds only that student's "
+              "feedback", file=sys.stderr)
     return 1 if failed else 0
 
 

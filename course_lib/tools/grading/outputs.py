@@ -1,9 +1,16 @@
 """Where a class's grades go, and what they hold: a CSV, a JSON, a summary, and feedback.
 
-Each file is written atomically (a temporary name, then a rename), after
-every graded notebook. Everything a learner chose (folder and file names, the
-text of their errors) is data: a CSV cell that a spreadsheet would read as a
-formula gets a leading apostrophe.
+By default everything goes to ``<submissions>-grades/`` beside the class's
+folder, never inside it: a folder handed back to the class must show no one
+else's grade. Files are written private (``0o600``, folders ``0o700``), each
+atomically (a temporary name, then a rename), after every graded notebook.
+The feedback is one folder per student (``feedback/<student>/``) holding only
+that student's files, to hand back as it is. A regrade (``--only``) keeps the
+other rows of the earlier ``grades.json`` as they were.
+
+Everything a learner chose (folder and file names, the text of their errors)
+is data: a CSV cell that a spreadsheet would read as a formula gets a leading
+apostrophe.
 """
 
 from __future__ import annotations
@@ -13,10 +20,11 @@ import io
 import json
 import os
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from course_lib.tools.grading.exercise import GradingError
 from course_lib.tools.grading.feedback import feedback_markdown
 from course_lib.tools.grading.grade import points_text
 from course_lib.tools.grading.isolation import describe
@@ -24,12 +32,43 @@ from course_lib.tools.grading.isolation import describe
 if TYPE_CHECKING:
     from course_lib.tools.grading.classroom import Submission
 
+FILE_MODE, FOLDER_MODE = 0o600, 0o700
+
+
+def default_csv(folder: Path) -> Path:
+    """Where a class's CSV goes unless told: ``<folder>-grades/grades.csv``, beside the submissions."""
+    folder = Path(folder).resolve()
+    return folder.parent / f"{folder.name}-grades" / "grades.csv"
+
+
+def refuse_inside(folder: Path, *outputs: Path | None) -> None:
+    """Raise ``GradingError`` if an output would land inside the submissions ``folder``."""
+    inside = Path(folder).resolve()
+    for out in outputs:
+        if out is not None and (out.resolve() == inside or inside in out.resolve().parents):
+            raise GradingError(
+                f"{out} is inside the submissions folder {folder}: handed back, that folder would show every "
+                f"student every grade. Write the grades elsewhere (the default is {default_csv(folder)}), or "
+                "leave out --csv and --feedback")
+
+
+def private_dir(path: Path) -> Path:
+    """``path`` as a folder, each level this creates readable by its owner alone."""
+    missing = [p for p in [path, *path.parents] if not p.exists()]
+    for p in reversed(missing):
+        p.mkdir(mode=FOLDER_MODE, exist_ok=True)
+        os.chmod(p, FOLDER_MODE)
+    return path
+
 
 def write_atomic(path: Path, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file in the same folder, then rename it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write ``text`` to ``path`` (mode ``0o600``) through a temporary file in the same folder, then rename it
+    into place."""
+    private_dir(path.parent)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8", newline="") as f:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+    os.fchmod(fd, FILE_MODE)  # a leftover temporary file keeps its mode through O_CREAT
+    with open(fd, "w", encoding="utf-8", newline="") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
@@ -111,32 +150,65 @@ def summary_csv(rows: list[dict]) -> str:
 
 @dataclass
 class Outputs:
-    """Where a class's grades go: the CSV at ``csv``, the JSON and the summary beside it, and one feedback file
-    per graded notebook under ``feedback`` (none if ``None``)."""
+    """Where a class's grades go: the CSV at ``csv``, the JSON and the summary beside it, and one feedback
+    folder per student under ``feedback`` (none if ``None``). ``kept``: rows of an earlier run that this one
+    does not grade again."""
 
     csv: Path
     feedback: Path | None = None
     isolation: str = ""
+    kept: list = field(default_factory=list)
 
     def paths(self) -> dict[str, Path]:
+        """Each output's path: csv, json, summary, and feedback (a folder) when there is one."""
         out = {"csv": self.csv, "json": self.csv.with_suffix(".json"),
                "summary": self.csv.with_name(f"{self.csv.stem}_summary.csv")}
         return {**out, "feedback": self.feedback} if self.feedback is not None else out
 
+    def rows(self, subs: list[Submission]) -> list[Submission]:
+        """The class's rows: the kept ones, each replaced where ``subs`` grades the same notebook, then the rest
+        of ``subs``."""
+        fresh = {s.rel: s for s in subs}
+        return [fresh.pop(k.rel, k) for k in self.kept] + list(fresh.values())
+
     def update(self, subs: list[Submission], done: Submission | None = None) -> dict[str, Path]:
-        """Rewrite the CSV, the JSON and the summary for ``subs``, each atomically, and write the feedback of
-        ``done`` (``None``: of every graded notebook); the paths. Called as each notebook finishes, so that a
-        stopped run keeps what was graded; rewriting the tables costs time linear in the class, each time."""
-        paths, rows = self.paths(), summary(subs)
+        """Rewrite the CSV, the JSON and the summary for ``subs`` (with the kept rows), each atomically, and write the feedback of ``done`` (``None``: of every graded notebook of ``subs``); the
+        paths. Called as each notebook finishes, so that a stopped run keeps what was graded; rewriting the
+        tables costs time linear in the class, each time."""
+        paths, every = self.paths(), self.rows(subs)
+        rows = summary(every)
         detail = describe(self.isolation) if self.isolation else ""
-        json_doc = {"isolation": self.isolation, "isolation_detail": detail, "summary": rows, "submissions": [
-            {"student": s.student, "submission": s.rel, **(s.result.as_dict() if s.result else {"error": s.problem})}
-            for s in subs]}
-        write_atomic(paths["csv"], csv_text(subs))
+        json_doc = {"isolation": self.isolation, "isolation_detail": detail, "summary": rows, "submissions": [submission_dict(s) for s in every]}
+        write_atomic(paths["csv"], csv_text(every))
         write_atomic(paths["json"], json.dumps(json_doc, indent=1))
         write_atomic(paths["summary"], summary_csv(rows))
         if self.feedback is not None:
+            private_dir(self.feedback)
             for s in subs if done is None else [done]:
                 if s.result is not None:
                     write_atomic(self.feedback / s.student / f"{s.result.exercise}.md", feedback_markdown(s))
         return paths
+
+
+def submission_dict(sub: Submission) -> dict:
+    """One row of ``grades.json``: student, submission, then the result (``GradeResult.as_dict``) or the error
+    and the exercise."""
+    if sub.result is not None:
+        return {"student": sub.student, "submission": sub.rel, **sub.result.as_dict()}
+    return {"student": sub.student, "submission": sub.rel, "exercise": sub.exercise.name if sub.exercise else "",
+            "error": sub.problem}
+
+
+def read_earlier(path: Path) -> dict:
+    """The ``grades.json`` of an earlier run, to regrade into; ``GradingError`` when there is none to read."""
+    if not path.is_file():
+        raise GradingError(f"--only grades into a class's earlier outputs, but {path} does not exist: grade the "
+                           "whole class first, or point --csv at the grades.csv of that run")
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        if not all("student" in s and "submission" in s and "exercise" in s for s in doc["submissions"]):
+            raise KeyError("exercise")
+        return doc
+    except (ValueError, KeyError, TypeError) as exc:
+        raise GradingError(f"{path} is not a grades.json this version of `course grade` can regrade into "
+                           f"({type(exc).__name__}: {exc}): grade the whole class again") from None
