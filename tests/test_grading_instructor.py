@@ -1,5 +1,5 @@
 """The instructor's side of grading: feedback a learner can act on, outputs kept apart from the submissions,
-and regrading one student in place.
+regrading one student in place, and the LMS export.
 
 A tiny exercise with an imports cell and a heading above each question, built in a temporary folder; each
 graded notebook costs a kernel start of a second or two.
@@ -18,7 +18,7 @@ import pytest
 from test_grading import ADD_ONE, ADD_ONE_TEST, SHORT, _cell, _notebook
 
 from course_lib.tools import cli
-from course_lib.tools.grading import assign, commands
+from course_lib.tools.grading import assign, commands, lms
 from course_lib.tools.grading.classroom import Submission, feedback_markdown
 from course_lib.tools.grading.exercise import Catalog, grade_id
 from course_lib.tools.grading.grade import grade_notebook
@@ -68,7 +68,7 @@ def _learner(titled: dict[str, Path], path: Path, q1: str = "    return x + 1",
 
 def _args(folder: Path, **kw) -> argparse.Namespace:
     base = dict(notebook=str(folder), timeout=SHORT, json=False, csv=None, feedback=None, jobs=None, only=None,
-                notebook_timeout=60)
+                roster=None, notebook_timeout=60)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -104,17 +104,19 @@ def test_a_wrong_function_still_gets_its_hint_under_its_title(titled):
     assert commands.format_result(result).splitlines()[1].split()[:3] == ["Question", "1:", "add"]
 
 
-# ----- a class: outputs apart and private, regrading one student --------------------------------------------
+# ----- a class: outputs apart and private, regrading one student, the LMS export ---------------------------
 
 
 @pytest.fixture(scope="module")
 def graded(titled, tmp_path_factory) -> dict:
-    """A class of two (alice right, bob wrong on q2) graded with the defaults."""
+    """A class of two (alice right, bob wrong on q2) graded with the defaults and a roster that lacks bob."""
     base = tmp_path_factory.mktemp("class")
     folder = base / "submissions"
     _learner(titled, folder / "alice" / "91_titled.ipynb")
     _learner(titled, folder / "bob" / "91_titled.ipynb", q2="    return x")
-    args = _args(folder, solutions=titled["solutions"], jobs=2)
+    roster = base / "roster.csv"
+    roster.write_text("student,id\nalice,A-17\n")
+    args = _args(folder, solutions=titled["solutions"], jobs=2, roster=str(roster))
     assert commands.grade(args) == 0
     return {"folder": folder, "out": base / "submissions-grades", "args": args}
 
@@ -125,7 +127,7 @@ def test_grades_are_written_beside_the_submissions_privately_one_folder_per_stud
         "alice", "alice/91_titled.ipynb", "bob", "bob/91_titled.ipynb"], "nothing is written among the submissions"
     files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     assert files == ["feedback/alice/91_titled.md", "feedback/bob/91_titled.md", "grades.csv", "grades.json",
-                     "grades_summary.csv"]
+                     "grades_lms.csv", "grades_summary.csv"]
     for path in [out, *out.rglob("*")]:
         mode = stat.S_IMODE(path.stat().st_mode)
         assert mode == (0o700 if path.is_dir() else 0o600), f"{path} has mode {oct(mode)}"
@@ -149,6 +151,23 @@ def test_an_option_the_single_notebook_mode_ignores_is_an_error(graded, capsys):
     assert not (graded["out"] / "x.csv").exists()
 
 
+def test_the_lms_export_has_a_row_per_question_with_the_rosters_ids(graded):
+    rows = list(csv.DictReader((graded["out"] / "grades_lms.csv").read_text().splitlines()))
+    assert list(rows[0]) == lms.COLUMNS
+    got = [(r["student"], r["lms_id"], r["question"], r["points"], r["max_points"], r["total"]) for r in rows]
+    assert got == [("alice", "A-17", TITLES["q1_add_one_test"], "1", "1", "3"),
+                   ("alice", "A-17", TITLES["q2_double_test"], "2", "2", "3"),
+                   ("bob", "", TITLES["q1_add_one_test"], "1", "1", "1"),
+                   ("bob", "", TITLES["q2_double_test"], "0", "2", "1")]
+
+
+def test_a_roster_without_its_columns_is_a_clear_error(tmp_path):
+    roster = tmp_path / "roster.csv"
+    roster.write_text("name,number\nalice,17\n")
+    with pytest.raises(ValueError, match="needs a header with the columns student and id"):
+        lms.read_roster(roster)
+
+
 def test_one_student_is_regraded_in_place(graded, titled, capsys):
     folder, out = graded["folder"], graded["out"]
     before = {p: p.read_bytes() for p in (out / "grades.csv", out / "feedback" / "alice" / "91_titled.md")}
@@ -166,6 +185,7 @@ def test_one_student_is_regraded_in_place(graded, titled, capsys):
     assert {r["question"]: r["pass_rate"] for r in doc["summary"]}["q2_double_test"] == 1
     assert "3 of 3 points" in (out / "feedback" / "bob" / "91_titled.md").read_text()
     assert (out / "feedback" / "alice" / "91_titled.md").read_bytes() == before[out / "feedback" / "alice" / "91_titled.md"]
+    assert [r["lms_id"] for r in csv.DictReader((out / "grades_lms.csv").read_text().splitlines())][:2] == ["A-17"] * 2
 
 
 def test_regrading_needs_an_earlier_run(titled, tmp_path):

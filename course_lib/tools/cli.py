@@ -196,13 +196,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with a folder: the number of notebooks graded at once (default: 1)")
     p.add_argument("--json", action="store_true", help="print the result as JSON (default: a text table)")
     p.add_argument("--csv", metavar="PATH", help="with a folder: where to write the CSV, outside FOLDER (default: "
-                                                 "FOLDER-grades/grades.csv beside it); the JSON and the summary go "
-                                                 "beside it")
+                                                 "FOLDER-grades/grades.csv beside it); the JSON, the summary and "
+                                                 "the LMS export go beside it")
     p.add_argument("--feedback", metavar="DIR", help="with a folder: the per-student feedback folders, outside "
                                                      "FOLDER (default: feedback/ beside the CSV; 'none' for none)")
     p.add_argument("--only", nargs="+", metavar="STUDENT",
                    help="with a folder: grade again only these students (folder names) or notebooks, into the "
                         "earlier outputs; the other rows stay as they were (default: grade everyone)")
+    p.add_argument("--roster", metavar="CSV",
+                   help="with a folder: a CSV with columns student (folder name) and id (the LMS's), for the "
+                        "lms_id column of the LMS export (default: the earlier run's when regrading, else none)")
     p.set_defaults(func=_cmd_grading)
     p = sub.add_parser("check", help="run an exercise's visible tests the way the grader does, with hints",
                        description="Run an exercise notebook in a fresh kernel against its visible tests, the way "

@@ -14,6 +14,7 @@
 - ``classroom``: a folder of submissions in parallel, or some of them again (a regrade);
 - ``outputs``: where a class's grades go (beside the submissions, never inside) and what they hold;
 - ``feedback``: what a learner is handed back, questions named by their titles;
+- ``lms``: the grades as an LMS imports them, with a roster of the LMS's ids;
 - ``workers``: the worker processes that grade them, each notebook under a deadline;
 - ``release``: the learner's copy of the course (``course release``);
 - ``commands``: the CLI entry points.

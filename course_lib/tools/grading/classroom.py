@@ -17,7 +17,8 @@ memory first, and submissions whose student ids collide are refused; then
 worker processes grade (``workers``: each notebook in its own sandboxed
 kernel, the class's folder and the outputs hidden from it, under a
 deadline); the grader's main process only collects results and, as each
-notebook finishes, rewrites the CSV, the JSON and the summary and writes
+notebook finishes, rewrites the CSV, the JSON, the summary and the LMS
+export and writes
 that notebook's feedback, each file atomically (to a temporary name, then
 renamed): a run that is stopped keeps every grade given so far, and lists
 the rest as not graded yet. A worker that a submission managed to kill
@@ -228,6 +229,7 @@ def grade_folder(folder: Path | str, timeout: int = 60, solutions: Path | str | 
         if outputs is not None:
             earlier = read_earlier(outputs.paths()["json"])
             outputs.kept = earlier_rows(earlier, catalog)
+            outputs.roster = earlier.get("roster") if outputs.roster is None else outputs.roster
     settings = Settings(timeout, notebook_timeout, isolation, [folder, catalog.folder, *(hide or [])],
                         threads=max(1, (os.cpu_count() or 1) // jobs), limits=limits or Limits.from_env(),
                         deadline=deadline)

@@ -105,7 +105,7 @@ def grade(args: argparse.Namespace) -> int:
     return 0
 
 
-FOLDER_OPTIONS = {"csv": "--csv", "feedback": "--feedback", "only": "--only", "jobs": "-j"}
+FOLDER_OPTIONS = {"csv": "--csv", "feedback": "--feedback", "only": "--only", "roster": "--roster", "jobs": "-j"}
 
 
 def refuse_folder_options(args: argparse.Namespace, notebook: Path) -> None:
@@ -119,7 +119,7 @@ def refuse_folder_options(args: argparse.Namespace, notebook: Path) -> None:
 
 
 def _grade_folder(folder: Path, args: argparse.Namespace) -> int:
-    from course_lib.tools.grading import isolation
+    from course_lib.tools.grading import isolation, lms
     from course_lib.tools.grading.classroom import Submission, grade_folder, summary, summary_text
     from course_lib.tools.grading.outputs import Outputs, default_csv, refuse_inside
 
@@ -127,6 +127,7 @@ def _grade_folder(folder: Path, args: argparse.Namespace) -> int:
     feedback = getattr(args, "feedback", None)
     feedback_dir = None if feedback == "none" else Path(feedback) if feedback else csv_path.parent / "feedback"
     refuse_inside(folder, csv_path, feedback_dir)
+    roster = lms.read_roster(Path(args.roster)) if getattr(args, "roster", None) else None
     jobs = getattr(args, "jobs", None) or 1
     only = getattr(args, "only", None)
     mode = isolation.detect()
@@ -143,7 +144,7 @@ def _grade_folder(folder: Path, args: argparse.Namespace) -> int:
             what = f"not graded: {sub.problem}"
         print(f"[course] {sub.rel}: {what}", file=sys.stderr, flush=True)
 
-    outputs = Outputs(csv_path, feedback_dir, isolation=mode)
+    outputs = Outputs(csv_path, feedback_dir, isolation=mode, roster=roster)
     try:
         subs = grade_folder(folder, timeout=args.timeout, solutions=_solutions(args), progress=progress,
                             jobs=jobs, notebook_timeout=getattr(args, "notebook_timeout", None),
@@ -169,6 +170,9 @@ def _grade_folder(folder: Path, args: argparse.Namespace) -> int:
     if feedback_dir is not None:
         print(f"[course] to hand back: each folder {feedback_dir}{os.sep}<student>{os.sep} holds only that student's "
               "feedback", file=sys.stderr)
+    missing = lms.not_in_roster(outputs.rows(subs), outputs.roster)
+    if missing:
+        print(f"[course] not in the roster (no lms_id in {out['lms'].name}): {', '.join(missing)}", file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -1,4 +1,4 @@
-"""Where a class's grades go, and what they hold: a CSV, a JSON, a summary, and feedback.
+"""Where a class's grades go, and what they hold: a CSV, a JSON, a summary, an LMS export, and feedback.
 
 By default everything goes to ``<submissions>-grades/`` beside the class's
 folder, never inside it: a folder handed back to the class must show no one
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from course_lib.tools.grading import lms
 from course_lib.tools.grading.exercise import GradingError
 from course_lib.tools.grading.feedback import feedback_markdown
 from course_lib.tools.grading.grade import points_text
@@ -150,19 +151,21 @@ def summary_csv(rows: list[dict]) -> str:
 
 @dataclass
 class Outputs:
-    """Where a class's grades go: the CSV at ``csv``, the JSON and the summary beside it, and one feedback
-    folder per student under ``feedback`` (none if ``None``). ``kept``: rows of an earlier run that this one
-    does not grade again."""
+    """Where a class's grades go: the CSV at ``csv``, the JSON, the summary and the LMS export beside it, and one
+    feedback folder per student under ``feedback`` (none if ``None``). ``kept``: rows of an earlier run that
+    this one does not grade again; ``roster``: student -> the id the LMS knows them by."""
 
     csv: Path
     feedback: Path | None = None
     isolation: str = ""
     kept: list = field(default_factory=list)
+    roster: dict[str, str] | None = None
 
     def paths(self) -> dict[str, Path]:
-        """Each output's path: csv, json, summary, and feedback (a folder) when there is one."""
+        """Each output's path: csv, json, summary, lms, and feedback (a folder) when there is one."""
         out = {"csv": self.csv, "json": self.csv.with_suffix(".json"),
-               "summary": self.csv.with_name(f"{self.csv.stem}_summary.csv")}
+               "summary": self.csv.with_name(f"{self.csv.stem}_summary.csv"),
+               "lms": self.csv.with_name(f"{self.csv.stem}_lms.csv")}
         return {**out, "feedback": self.feedback} if self.feedback is not None else out
 
     def rows(self, subs: list[Submission]) -> list[Submission]:
@@ -172,16 +175,19 @@ class Outputs:
         return [fresh.pop(k.rel, k) for k in self.kept] + list(fresh.values())
 
     def update(self, subs: list[Submission], done: Submission | None = None) -> dict[str, Path]:
-        """Rewrite the CSV, the JSON and the summary for ``subs`` (with the kept rows), each atomically, and write the feedback of ``done`` (``None``: of every graded notebook of ``subs``); the
+        """Rewrite the CSV, the JSON, the summary and the LMS export for ``subs`` (with the kept rows), each
+        atomically, and write the feedback of ``done`` (``None``: of every graded notebook of ``subs``); the
         paths. Called as each notebook finishes, so that a stopped run keeps what was graded; rewriting the
         tables costs time linear in the class, each time."""
         paths, every = self.paths(), self.rows(subs)
         rows = summary(every)
         detail = describe(self.isolation) if self.isolation else ""
-        json_doc = {"isolation": self.isolation, "isolation_detail": detail, "summary": rows, "submissions": [submission_dict(s) for s in every]}
+        json_doc = {"isolation": self.isolation, "isolation_detail": detail, "roster": self.roster,
+                    "summary": rows, "submissions": [submission_dict(s) for s in every]}
         write_atomic(paths["csv"], csv_text(every))
         write_atomic(paths["json"], json.dumps(json_doc, indent=1))
         write_atomic(paths["summary"], summary_csv(rows))
+        write_atomic(paths["lms"], lms.lms_csv(every, self.roster))
         if self.feedback is not None:
             private_dir(self.feedback)
             for s in subs if done is None else [done]:
