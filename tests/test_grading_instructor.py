@@ -194,3 +194,18 @@ def test_regrading_needs_an_earlier_run(titled, tmp_path):
     with pytest.raises(ValueError, match="grade the whole class first"):
         commands.grade(_args(folder, solutions=titled["solutions"], only=["dana"]))
     assert not (tmp_path / "class-grades" / "grades.csv").exists()
+
+
+# ----- the instructor's page ---------------------------------------------------------------------------------
+
+
+def test_the_instructors_page_is_linked_and_names_only_options_course_grade_has():
+    import re
+
+    root = Path(__file__).resolve().parent.parent
+    assert "](instructors.md)" in (root / "docs" / "grading.md").read_text()
+    text = re.sub(r"`nbgrader[^`]*`", "", (root / "docs" / "instructors.md").read_text())  # nbgrader's own options
+    subparsers = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    known = {o for a in subparsers.choices["grade"]._actions for o in a.option_strings}
+    named = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", text))
+    assert {"--only", "--csv", "--feedback", "--roster"} <= named and named <= known, named - known
