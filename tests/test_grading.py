@@ -1107,6 +1107,21 @@ def test_release_holds_no_solution_and_no_hidden_test_line(released):
     assert sorted(p.name for p in (released / "exercises").glob("*.ipynb")) == [p.name for p in SOLUTIONS]
 
 
+def test_the_learners_copy_says_how_to_study_and_check_not_how_to_grade(released):
+    import re
+
+    for rel in ("README.md", "exercises/README.md"):
+        text = (released / rel).read_text()
+        assert "course check" in text, f"{rel} does not say how to check an exercise"
+        for word in ("solutions/", "course grade", "sandbox", "isolation", "(instructors)", "nbgrader"):
+            assert word not in text, f"the learner's {rel} speaks of {word!r}, the instructor's business"
+        for link in re.findall(r"\]\(([^)#]+)", text):
+            assert link.startswith("http") or ((released / rel).parent / link).exists(), f"{rel}: {link} is missing"
+    readme = (released / "README.md").read_text()
+    assert "make lab" in readme and all(f"(notebooks/{p.name})" in readme for p in (ROOT / "notebooks").glob("*.ipynb"))
+    assert not (released / "docs" / "grading.md").exists() and not (released / "docs" / "instructors.md").exists()
+
+
 def test_check_works_in_the_learners_copy_from_its_visible_tests(released, tmp_path):
     work = tmp_path / "02_batch_size.ipynb"
     solved = nbformat.read(released / "exercises" / "02_batch_size.ipynb", as_version=4)
