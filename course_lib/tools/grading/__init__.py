@@ -16,7 +16,7 @@
 - ``feedback``: what a learner is handed back, questions named by their titles;
 - ``lms``: the grades as an LMS imports them, with a roster of the LMS's ids;
 - ``workers``: the worker processes that grade them, each notebook under a deadline;
-- ``release``: the learner's copy of the course (``course release``);
+- ``release``: the learner's copy of the course (``course release``), with ``readme``: what it says to learners;
 - ``commands``: the CLI entry points.
 
 Importing this package is cheap: the learner's kernel imports ``checks`` and

@@ -128,7 +128,7 @@ def _grade_folder(folder: Path, args: argparse.Namespace) -> int:
     feedback_dir = None if feedback == "none" else Path(feedback) if feedback else csv_path.parent / "feedback"
     refuse_inside(folder, csv_path, feedback_dir)
     roster = lms.read_roster(Path(args.roster)) if getattr(args, "roster", None) else None
-    jobs = getattr(args, "jobs", None) or 1
+    jobs = 1 if getattr(args, "jobs", None) is None else args.jobs
     only = getattr(args, "only", None)
     mode = isolation.detect()
     print(f"[course] isolation: {isolation.describe(mode)}", file=sys.stderr, flush=True)
