@@ -821,7 +821,7 @@ def test_hidden_test_failure_is_reported(tiny):
     path = _learner(tiny, "hidden", lambda nb: _solve(nb, q1="    return abs(x) + 1"))
     q = _by_name(grade_notebook(path, timeout=SHORT, solutions=tiny["solutions"]))["q1_add_one_test"]
     assert q.status == "failed" and q.score == 0 and q.hidden
-    assert "a hidden test failed" in q.message and "add_one(-1)" in q.message
+    assert q.message.startswith("passes the visible tests but fails a hidden test") and "add_one(-1)" in q.message
 
 
 def test_endless_loop_times_out_and_grading_goes_on(tiny):
@@ -885,10 +885,10 @@ def test_grade_json_schema_and_exit_status(tiny):
     run = _course("grade", str(path), "--json", "--timeout", str(SHORT), solutions=tiny["solutions"])
     assert run.returncode == 0, f"a low score is still a completed grading:\n{run.stderr}"
     out = json.loads(run.stdout)
-    assert set(out) == {"notebook", "score", "max_score", "questions"}
-    assert (out["score"], out["max_score"]) == (1, 3)
+    assert set(out) == {"notebook", "exercise", "score", "max_score", "questions"}
+    assert (out["exercise"], out["score"], out["max_score"]) == ("90_tiny", 1, 3)
     for q in out["questions"]:
-        assert set(q) == {"name", "score", "max_score", "status", "message"}
+        assert set(q) == {"name", "title", "score", "max_score", "status", "message"}
         assert q["status"] in STATUSES
     assert [q["status"] for q in out["questions"]] == ["passed", "failed"]
 
@@ -1144,6 +1144,21 @@ def test_release_holds_no_solution_and_no_hidden_test_line(released):
                  "course_lib/tools/grading/grade.py", "notebooks/01_memory_anatomy.ipynb", "exercises/README.md"):
         assert (released / name).is_file(), f"the learner's copy lacks {name}"
     assert sorted(p.name for p in (released / "exercises").glob("*.ipynb")) == [p.name for p in SOLUTIONS]
+
+
+def test_the_learners_copy_says_how_to_study_and_check_not_how_to_grade(released):
+    import re
+
+    for rel in ("README.md", "exercises/README.md"):
+        text = (released / rel).read_text()
+        assert "course check" in text, f"{rel} does not say how to check an exercise"
+        for word in ("solutions/", "course grade", "sandbox", "isolation", "(instructors)", "nbgrader"):
+            assert word not in text, f"the learner's {rel} speaks of {word!r}, the instructor's business"
+        for link in re.findall(r"\]\(([^)#]+)", text):
+            assert link.startswith("http") or ((released / rel).parent / link).exists(), f"{rel}: {link} is missing"
+    readme = (released / "README.md").read_text()
+    assert "make lab" in readme and all(f"(notebooks/{p.name})" in readme for p in (ROOT / "notebooks").glob("*.ipynb"))
+    assert not (released / "docs" / "grading.md").exists() and not (released / "docs" / "instructors.md").exists()
 
 
 def test_check_works_in_the_learners_copy_from_its_visible_tests(released, tmp_path):

@@ -8,7 +8,7 @@
     course gpu-check [--list] [--only CHECK ...]          the GPU code paths, briefly (needs a GPU)
     course site [--build DIR]                             static HTML of the executed course
     course assign [--check]                               regenerate exercises/ from solutions/
-    course grade NOTEBOOK|FOLDER [-j N] [--timeout S]     grade a learner's notebook (or a class)
+    course grade NOTEBOOK|FOLDER [-j N] [--only S ...]    grade a learner's notebook (or a class, or regrade one)
     course check NOTEBOOK [--timeout S]                   run the visible tests, with hints
     course release DEST [--force]                         the learner's copy: no solutions, no hidden tests
 
@@ -212,13 +212,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds one cell may run before its question scores zero (default: %(default)s)")
     p.add_argument("--notebook-timeout", type=float, default=None, metavar="SECONDS",
                    help="seconds for all the cells of one notebook (default: ten times --timeout, at least 120)")
-    p.add_argument("-j", "--jobs", type=int, default=1, metavar="N",
-                   help="with a folder: the number of notebooks graded at once (default: %(default)s)")
+    p.add_argument("-j", "--jobs", type=int, default=None, metavar="N",
+                   help="with a folder: the number of notebooks graded at once (default: 1)")
     p.add_argument("--json", action="store_true", help="print the result as JSON (default: a text table)")
-    p.add_argument("--csv", metavar="PATH", help="with a folder: where to write the CSV (default: "
-                                                 "FOLDER/grades.csv); the JSON and the summary go beside it")
-    p.add_argument("--feedback", metavar="DIR", help="with a folder: the folder of per-student feedback files "
-                                                     "(default: feedback/ beside the CSV; 'none' for none)")
+    p.add_argument("--csv", metavar="PATH", help="with a folder: where to write the CSV, outside FOLDER (default: "
+                                                 "FOLDER-grades/grades.csv beside it); the JSON, the summary and "
+                                                 "the LMS export go beside it")
+    p.add_argument("--feedback", metavar="DIR", help="with a folder: the per-student feedback folders, outside "
+                                                     "FOLDER (default: feedback/ beside the CSV; 'none' for none)")
+    p.add_argument("--only", nargs="+", metavar="STUDENT",
+                   help="with a folder: grade again only these students (folder names) or notebooks, into the "
+                        "earlier outputs; the other rows stay as they were (default: grade everyone)")
+    p.add_argument("--roster", metavar="CSV",
+                   help="with a folder: a CSV with columns student (folder name) and id (the LMS's), for the "
+                        "lms_id column of the LMS export (default: the earlier run's when regrading, else none)")
     p.set_defaults(func=_cmd_grading)
     p = sub.add_parser("check", help="run an exercise's visible tests the way the grader does, with hints",
                        description="Run an exercise notebook in a fresh kernel against its visible tests, the way "

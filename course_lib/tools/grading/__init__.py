@@ -6,13 +6,17 @@
 - ``wire``: the answers a kernel sends out, as plain data (no pickle);
 - ``isolation`` and ``sandbox``: where a learner's kernel runs, and what it cannot reach;
 - ``limits``: the processes, memory, file size and disk a kernel may use, in every mode;
+- ``runbook``: the notebook that kernel runs (the learner's cells, the instructor's tests);
 - ``execute``: running cells in that kernel with time limits;
 - ``checker``: the instructor's checks, run in the grader on the answers;
 - ``forbid``: what a question's answer must not call;
 - ``grade``: one notebook (``course grade``, ``course check``);
-- ``classroom``: a folder of submissions in parallel: CSV, summary, feedback;
+- ``classroom``: a folder of submissions in parallel, or some of them again (a regrade);
+- ``outputs``: where a class's grades go (beside the submissions, never inside) and what they hold;
+- ``feedback``: what a learner is handed back, questions named by their titles;
+- ``lms``: the grades as an LMS imports them, with a roster of the LMS's ids;
 - ``workers``: the worker processes that grade them, each notebook under a deadline;
-- ``release``: the learner's copy of the course (``course release``);
+- ``release``: the learner's copy of the course (``course release``), with ``readme``: what it says to learners;
 - ``commands``: the CLI entry points.
 
 Importing this package is cheap: the learner's kernel imports ``checks`` and

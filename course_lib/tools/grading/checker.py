@@ -44,9 +44,13 @@ def reseed_source(torch_too: bool) -> str:
     return line + ("; import torch as _course_torch; _course_torch.manual_seed(0)" if torch_too else "")
 
 
-def _message(exc: BaseException) -> str:
+HIDDEN_FAILED = "passes the visible tests but fails a hidden test"
+
+
+def _message(lead: str, exc: BaseException) -> str:
+    """``lead``, then the assert's own message where it has one."""
     text = str(exc).strip()
-    return text if text else "an assert is false"
+    return f"{lead}: {text}" if text else lead
 
 
 class Checker:
@@ -68,10 +72,10 @@ class Checker:
         try:
             exec(part.checks.code(f"<{q.name} {which} checks>"), ns)
         except AssertionError as exc:
-            return Verdict("failed", f"{'a hidden' if hidden else 'a'} test failed: {_message(exc)}", hidden)
+            return Verdict("failed", _message(HIDDEN_FAILED if hidden else "a test failed", exc), hidden)
         except Exception as exc:  # the answers are plain data, but maybe not what the checks expect
-            return Verdict("failed", f"{'a hidden' if hidden else 'a'} test could not use your answers: "
-                                     f"{type(exc).__name__}: {exc}", hidden)
+            lead = "passes the visible tests but a hidden test" if hidden else "a test"
+            return Verdict("failed", f"{lead} could not use your answers: {type(exc).__name__}: {exc}", hidden)
         return None
 
     def check(self, answers: dict[str, Any]) -> dict[str, Verdict]:

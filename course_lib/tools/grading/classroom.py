@@ -1,5 +1,10 @@
 """Grade a folder of submissions (``course grade FOLDER``): in parallel, into a CSV, a summary and feedback.
 
+The outputs (``outputs``: where they go and what they hold; ``feedback``:
+what a learner reads) are written outside the class's folder. With ``only``,
+the named students' (or notebooks') submissions are graded again into an
+earlier run's outputs, whose other rows stay as they were.
+
 Any layout works: ``submissions/alice/01_memory_anatomy.ipynb`` or
 ``submissions/alice_01_memory_anatomy.ipynb``; the student is the first
 folder, else what the file name holds besides the exercise's name. Each
@@ -12,35 +17,32 @@ memory first, and submissions whose student ids collide are refused; then
 worker processes grade (``workers``: each notebook in its own sandboxed
 kernel, the class's folder and the outputs hidden from it, under a
 deadline); the grader's main process only collects results and, as each
-notebook finishes, rewrites the CSV, the JSON and the summary and writes
+notebook finishes, rewrites the CSV, the JSON, the summary and the LMS
+export and writes
 that notebook's feedback, each file atomically (to a temporary name, then
 renamed): a run that is stopped keeps every grade given so far, and lists
 the rest as not graded yet. A worker that a submission managed to kill
 (possible only without isolation) is replaced and that submission graded
 once more.
-
-Everything a learner chose (folder and file names, the text of their
-errors) is data: a CSV cell that a spreadsheet would read as a formula gets a
-leading apostrophe, and the feedback escapes markdown and HTML.
 """
 
 from __future__ import annotations
 
-import csv
-import io
-import json
 import os
 import re
-import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from course_lib.tools.grading import checker, grade, workers
 from course_lib.tools.grading.execute import longest_run
-from course_lib.tools.grading.exercise import Catalog, Exercise, GradingError, is_test_cell, notebook_from_bytes
-from course_lib.tools.grading.grade import GradeResult, grade_notebook, points_text
-from course_lib.tools.grading.isolation import Limits, describe, detect
+from course_lib.tools.grading.exercise import Catalog, Exercise, GradingError, notebook_from_bytes
+from course_lib.tools.grading.feedback import as_markdown, feedback_markdown, hidden_snippets  # noqa: F401
+from course_lib.tools.grading.grade import GradeResult, grade_notebook
+from course_lib.tools.grading.isolation import Limits, detect
+from course_lib.tools.grading.outputs import (  # noqa: F401
+    Outputs, as_text, csv_text, read_earlier, summary, summary_csv, summary_text, write_atomic,
+)
 
 PENDING = "not graded yet: grading was still running, or was stopped before this notebook"
 
@@ -164,14 +166,44 @@ def _grade(subs: list[Submission], settings: Settings, jobs: int,
     return lost
 
 
+def select(subs: list[Submission], only: list[str], folder: Path) -> list[Submission]:
+    """The submissions ``only`` names, each by its student id, or by its path (under ``folder``, or as given)."""
+    chosen: list[Submission] = []
+    for name in only:
+        given = Path(name).resolve() if Path(name).is_file() else None
+        hits = [s for s in subs if name in (s.student, s.rel) or s.path.resolve() == given]
+        if not hits:
+            known = sorted({s.student for s in subs})
+            raise GradingError(f"--only {name}: no submission under {folder} is that student's or that notebook; "
+                               f"the students are {', '.join(known[:20])}{', ...' if len(known) > 20 else ''}")
+        chosen += [s for s in hits if s not in chosen]
+    return chosen
+
+
+def earlier_rows(doc: dict, catalog: Catalog) -> list[Submission]:
+    """The rows of an earlier run's ``grades.json`` (``outputs.read_earlier``), as submissions."""
+    rows = []
+    for row in doc["submissions"]:
+        sub = Submission(Path(row["submission"]), rel=row["submission"], student=row["student"],
+                         exercise=catalog.exercises.get(row["exercise"]), problem=row.get("error", ""))
+        try:
+            sub.result = None if "error" in row else GradeResult.from_dict(row)
+        except (KeyError, TypeError) as exc:
+            raise GradingError(f"a row of the earlier grades.json ({sub.rel}) lacks {exc}: grade the whole "
+                               "class again") from None
+        rows.append(sub)
+    return rows
+
+
 def grade_folder(folder: Path | str, timeout: int = 60, solutions: Path | str | None = None,
                  progress: Callable[[Submission], None] | None = None, jobs: int = 1,
                  notebook_timeout: float | None = None, isolation: str | None = None,
                  hide: list[Path] | None = None, limits: Limits | None = None, outputs: Outputs | None = None,
-                 deadline: float | None = None) -> list[Submission]:
+                 deadline: float | None = None, only: list[str] | None = None) -> list[Submission]:
     """Grade every notebook under ``folder`` with ``jobs`` parallel workers (each notebook in its own kernel,
     within ``limits``, each worker within ``deadline`` seconds a notebook: default ``notebook_deadline``).
-    ``outputs``: where the grades are written, updated as each notebook finishes."""
+    ``outputs``: where the grades are written, updated as each notebook finishes. ``only``: grade just these
+    students or notebooks (see ``select``), into the earlier rows of ``outputs``; the graded ones are returned."""
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"no such folder: {folder}")
@@ -191,7 +223,13 @@ def grade_folder(folder: Path | str, timeout: int = 60, solutions: Path | str | 
             sub.problem = str(exc)
         sub.student = student_id(Path(sub.rel), sub.exercise.name if sub.exercise else None)
         subs.append(sub)
-    refuse_collisions(subs)
+    refuse_collisions(subs)  # over the whole class, regrading or not: an id means one student
+    if only is not None:
+        subs = select(subs, only, folder)
+        if outputs is not None:
+            earlier = read_earlier(outputs.paths()["json"])
+            outputs.kept = earlier_rows(earlier, catalog)
+            outputs.roster = earlier.get("roster") if outputs.roster is None else outputs.roster
     settings = Settings(timeout, notebook_timeout, isolation, [folder, catalog.folder, *(hide or [])],
                         threads=max(1, (os.cpu_count() or 1) // jobs), limits=limits or Limits.from_env(),
                         deadline=deadline)
@@ -217,192 +255,3 @@ def grade_folder(folder: Path | str, timeout: int = 60, solutions: Path | str | 
                            f"graded; isolation {isolation or detect()} could not stop it")
             record(sub)
     return subs
-
-
-# ----- outputs -------------------------------------------------------------------------------------
-
-
-def write_atomic(path: Path, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file in the same folder, then rename it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8", newline="") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
-
-
-def question_names(subs: list[Submission]) -> list[str]:
-    """Every question, in first-seen order."""
-    names: list[str] = []
-    for sub in subs:
-        for q in sub.result.questions if sub.result else []:
-            if q.name not in names:
-                names.append(q.name)
-    return names
-
-
-_FORMULA = ("=", "+", "-", "@", "\t", "\r", "\n")  # how a cell a spreadsheet runs as a formula can start
-
-
-def as_text(cells: list) -> list:
-    """A CSV row whose text cells a spreadsheet shows as text: one that starts like a formula (``=``, ``+``,
-    ``-``, ``@``, or a tab or line break before one) gets a leading apostrophe, which it hides."""
-    return ["'" + c if isinstance(c, str) and c.startswith(_FORMULA) else c for c in cells]
-
-
-def csv_text(subs: list[Submission]) -> str:
-    """Columns: student, submission, exercise, score, max_score, per question its points and its reason, problem."""
-    questions = question_names(subs)
-    out = io.StringIO()
-    w = csv.writer(out)
-    w.writerow(as_text(["student", "submission", "exercise", "score", "max_score",
-                        *[c for q in questions for c in (q, f"{q}_reason")], "problem"]))
-    for sub in subs:
-        if sub.result is None:
-            w.writerow(as_text([sub.student, sub.rel, sub.exercise.name if sub.exercise else "", "", "",
-                                *[""] * (2 * len(questions)), sub.problem]))
-            continue
-        by_name = {q.name: q for q in sub.result.questions}
-        cells = []
-        for name in questions:
-            q = by_name.get(name)
-            cells += [points_text(q.score), "" if q.status == "passed" else f"{q.status}: {q.message}"] if q else ["", ""]
-        problems = "; ".join(f"{q.name}: {q.status}" for q in sub.result.questions if q.status != "passed")
-        w.writerow(as_text([sub.student, sub.rel, sub.result.exercise, points_text(sub.result.score),
-                            points_text(sub.result.max_score), *cells, problems]))
-    return out.getvalue()
-
-
-def summary(subs: list[Submission]) -> list[dict]:
-    """Per exercise and question: notebooks graded, mean points, maximum, pass rate."""
-    rows: dict[tuple[str, str], list] = {}
-    for sub in subs:
-        for q in sub.result.questions if sub.result else []:
-            rows.setdefault((sub.result.exercise, q.name), []).append(q)
-    return [{"exercise": ex, "question": name, "graded": len(qs), "max_score": qs[0].max_score,
-             "mean_score": round(statistics.fmean(q.score for q in qs), 3),
-             "pass_rate": round(sum(q.status == "passed" for q in qs) / len(qs), 3)}
-            for (ex, name), qs in rows.items()]
-
-
-def summary_text(rows: list[dict]) -> str:
-    """The summary as a table for the terminal."""
-    head = ("exercise", "question", "graded", "mean", "max", "pass rate")
-    table = [head] + [(r["exercise"], r["question"], str(r["graded"]), f"{r['mean_score']:g}",
-                       points_text(r["max_score"]), f"{100 * r['pass_rate']:.0f}%") for r in rows]
-    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table)
-
-
-def summary_csv(rows: list[dict]) -> str:
-    out = io.StringIO()
-    w = csv.DictWriter(out, fieldnames=["exercise", "question", "graded", "mean_score", "max_score", "pass_rate"])
-    w.writeheader()
-    w.writerows(dict(zip(r, as_text(list(r.values())))) for r in rows)
-    return out.getvalue()
-
-
-def hidden_snippets(ex: Exercise, shortest: int = 8) -> set[str]:
-    """Text of the hidden tests that feedback must never quote: their lines and their string literals, less
-    what the exercise shows anyway (its text, its setup, its visible tests)."""
-    import ast
-
-    public = [c.source for c in ex.notebook.cells if not is_test_cell(c)]
-    public += [sec.source for q in ex.questions if q.visible for sec in (q.visible.inputs, q.visible.answers,
-                                                                          q.visible.checks)]
-    shown = "\n".join(public)
-    found: set[str] = set()
-    for q in ex.questions:
-        if q.hidden is None:
-            continue
-        for section in (q.hidden.inputs, q.hidden.answers, q.hidden.checks):
-            found |= {line.strip() for line in section.source.splitlines() if len(line.strip()) >= shortest}
-            for node in ast.walk(ast.parse(section.source)):
-                if isinstance(node, ast.Constant) and isinstance(node.value, str) and len(node.value) >= shortest:
-                    found.add(node.value)
-    return {s for s in found if s not in shown}
-
-
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]{0,60}")
-_MARKUP = re.compile(r"([\\`*_\[\]<>|~&$])")       # what markdown, its tables, HTML or math could read as markup
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]+")          # line breaks, and a terminal's escape sequences
-
-
-def as_markdown(text: str) -> str:
-    """Markdown that shows ``text`` as written, on one line: every character that could start a tag, a link, an
-    image, a code span, emphasis, a table cell or math is backslash-escaped (a learner wrote the text)."""
-    return _MARKUP.sub(r"\\\1", " ".join(_CONTROL.sub(" ", text).split()))
-
-
-def _feedback_line(q, hint: str | None, secret: set[str]) -> str:
-    """What a learner may read about one question: never the hidden tests' text."""
-    if q.status == "passed":
-        return ""
-    if q.hidden and q.status == "failed":
-        text = ("passes the visible tests but fails a hidden test: a case the instructions or the docstring "
-                "name (an edge case, an invalid input, another shape)")
-    elif q.hidden:
-        kind = q.message.split(" on the hidden")[0].removeprefix("your code raised ").strip()
-        text = (f"your code raised {kind if _NAME.fullmatch(kind) else 'an exception'} on the hidden tests' "
-                "inputs" if q.message.startswith("your code raised") else "an error on the hidden tests")
-    else:
-        text = q.message
-    if any(s in text for s in secret):
-        text = f"{q.status} (the message is withheld: it quotes the hidden tests)"
-    helps = hint and hint not in text and q.status in ("failed", "error", "timeout")
-    return as_markdown(text) + (f"\n  - hint: {hint}" if helps else "")  # the hint is the instructor's markdown
-
-
-def feedback_markdown(sub: Submission) -> str:
-    """The per-student feedback for one graded notebook (markdown), without any hidden test's text."""
-    r, ex = sub.result, sub.exercise
-    assert r is not None and ex is not None
-    secret = hidden_snippets(ex)
-    lines = [f"# {r.exercise}: {points_text(r.score)} of {points_text(r.max_score)} points", "",
-             f"Notebook: {as_markdown(sub.rel)}", "", "| question | points | result |", "|---|---|---|"]
-    for q in r.questions:
-        lines.append(f"| {q.name} | {points_text(q.score)}/{points_text(q.max_score)} | {q.status} |")
-    notes = [(q, _feedback_line(q, ex.question(q.name).hint, secret)) for q in r.questions]
-    notes = [(q, t) for q, t in notes if t]
-    if notes:
-        lines += ["", "## What to look at", ""]
-        lines += [f"- **{q.name}** ({q.status}): {t}" for q, t in notes]
-    lines += ["", "The grader ran your notebook in a fresh kernel with the instructor's tests, hidden ones "
-                  "included; `course check` runs the visible ones the same way."]
-    return "\n".join(lines) + "\n"
-
-
-@dataclass
-class Outputs:
-    """Where a class's grades go: the CSV at ``csv``, the JSON and the summary beside it, and one feedback file
-    per graded notebook under ``feedback`` (none if ``None``)."""
-
-    csv: Path
-    feedback: Path | None = None
-    isolation: str = ""
-
-    def paths(self) -> dict[str, Path]:
-        out = {"csv": self.csv, "json": self.csv.with_suffix(".json"),
-               "summary": self.csv.with_name(f"{self.csv.stem}_summary.csv")}
-        return {**out, "feedback": self.feedback} if self.feedback is not None else out
-
-    def update(self, subs: list[Submission], done: Submission | None = None) -> dict[str, Path]:
-        """Rewrite the CSV, the JSON and the summary for ``subs``, each atomically, and write the feedback of
-        ``done`` (``None``: of every graded notebook); the paths. Called as each notebook finishes, so that a
-        stopped run keeps what was graded; rewriting the tables costs time linear in the class, each time."""
-        paths, rows = self.paths(), summary(subs)
-        detail = describe(self.isolation) if self.isolation else ""
-        json_doc = {"isolation": self.isolation, "isolation_detail": detail, "summary": rows, "submissions": [
-            {"student": s.student, "submission": s.rel, **(s.result.as_dict() if s.result else {"error": s.problem})}
-            for s in subs]}
-        write_atomic(paths["csv"], csv_text(subs))
-        write_atomic(paths["json"], json.dumps(json_doc, indent=1))
-        write_atomic(paths["summary"], summary_csv(rows))
-        if self.feedback is not None:
-            for s in subs if done is None else [done]:
-                if s.result is not None:
-                    write_atomic(self.feedback / s.student / f"{s.result.exercise}.md", feedback_markdown(s))
-        return paths

@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from course_lib.tools.grading.exercise import EXERCISES, Catalog, read_notebook
+from course_lib.tools.grading.exercise import EXERCISES, Catalog, GradingError, read_notebook
 from course_lib.tools.grading.grade import GradeResult, grade_notebook, points_text
 
 STATUS_WORD = {"passed": "ok", "failed": "failed", "error": "error", "timeout": "timeout", "rejected": "rejected"}
@@ -76,12 +76,12 @@ def assign(args: argparse.Namespace) -> int:
 
 
 def format_result(result: GradeResult) -> str:
-    """A plain-text score table for one notebook."""
-    width = max(len(q.name) for q in result.questions)
+    """A plain-text score table for one notebook, its questions named by their titles."""
+    width = max(len(q.heading) for q in result.questions)
     lines = [f"{result.notebook} (exercise {result.exercise})"]
     for q in result.questions:
         pts = f"{points_text(q.score)}/{points_text(q.max_score)}"
-        lines.append(f"  {q.name:<{width}}  {pts:>5}  {q.status:<8}  {q.message}".rstrip())
+        lines.append(f"  {q.heading:<{width}}  {pts:>5}  {q.status:<8}  {q.message}".rstrip())
     lines.append(f"score: {points_text(result.score)}/{points_text(result.max_score)}")
     return "\n".join(lines)
 
@@ -93,6 +93,7 @@ def grade(args: argparse.Namespace) -> int:
         return _grade_folder(target, args)
     if not target.is_file():
         raise missing_notebook(target, "grade")
+    refuse_folder_options(args, target)
     path = target
     ex = Catalog(_solutions(args)).find(read_notebook(path), path)
     from course_lib.tools.grading import isolation
@@ -104,16 +105,34 @@ def grade(args: argparse.Namespace) -> int:
     return 0
 
 
-def _grade_folder(folder: Path, args: argparse.Namespace) -> int:
-    from course_lib.tools.grading import isolation
-    from course_lib.tools.grading.classroom import Outputs, Submission, grade_folder, summary, summary_text
+FOLDER_OPTIONS = {"csv": "--csv", "feedback": "--feedback", "only": "--only", "roster": "--roster", "jobs": "-j"}
 
-    csv_path = Path(args.csv) if getattr(args, "csv", None) else folder / "grades.csv"
+
+def refuse_folder_options(args: argparse.Namespace, notebook: Path) -> None:
+    """Raise ``GradingError`` for an option that only grading a folder uses (it would do nothing here)."""
+    given = [flag for key, flag in FOLDER_OPTIONS.items() if getattr(args, key, None) is not None]
+    if given:
+        raise GradingError(
+            f"{', '.join(given)} work{'s' if len(given) == 1 else ''} with a folder of submissions; grading the one "
+            f"notebook {notebook} writes no file and only prints its grade. To grade one student into a class's "
+            "outputs, name the class's folder: course grade SUBMISSIONS --only STUDENT (see docs/instructors.md)")
+
+
+def _grade_folder(folder: Path, args: argparse.Namespace) -> int:
+    from course_lib.tools.grading import isolation, lms
+    from course_lib.tools.grading.classroom import Submission, grade_folder, summary, summary_text
+    from course_lib.tools.grading.outputs import Outputs, default_csv, refuse_inside
+
+    csv_path = Path(args.csv) if getattr(args, "csv", None) else default_csv(folder)
     feedback = getattr(args, "feedback", None)
     feedback_dir = None if feedback == "none" else Path(feedback) if feedback else csv_path.parent / "feedback"
+    refuse_inside(folder, csv_path, feedback_dir)
+    roster = lms.read_roster(Path(args.roster)) if getattr(args, "roster", None) else None
+    jobs = 1 if getattr(args, "jobs", None) is None else args.jobs
+    only = getattr(args, "only", None)
     mode = isolation.detect()
     print(f"[course] isolation: {isolation.describe(mode)}", file=sys.stderr, flush=True)
-    print(f"[course] {getattr(args, 'jobs', 1)} worker(s)", file=sys.stderr, flush=True)
+    print(f"[course] {jobs} worker(s)", file=sys.stderr, flush=True)
 
     finished: list[Submission] = []
 
@@ -125,18 +144,19 @@ def _grade_folder(folder: Path, args: argparse.Namespace) -> int:
             what = f"not graded: {sub.problem}"
         print(f"[course] {sub.rel}: {what}", file=sys.stderr, flush=True)
 
-    outputs = Outputs(csv_path, feedback_dir, isolation=mode)
+    outputs = Outputs(csv_path, feedback_dir, isolation=mode, roster=roster)
     try:
         subs = grade_folder(folder, timeout=args.timeout, solutions=_solutions(args), progress=progress,
-                            jobs=getattr(args, "jobs", 1), notebook_timeout=getattr(args, "notebook_timeout", None),
-                            hide=[csv_path.parent, *([feedback_dir] if feedback_dir else [])], outputs=outputs)
+                            jobs=jobs, notebook_timeout=getattr(args, "notebook_timeout", None),
+                            hide=[csv_path.parent, *([feedback_dir] if feedback_dir else [])], outputs=outputs,
+                            only=only)
     except KeyboardInterrupt:
         done = sum(s.result is not None for s in finished)
         print(f"\n[course] stopped: the {done} notebook(s) graded so far are written to {csv_path}; the others "
               "are listed as not graded yet. Grade again to finish.", file=sys.stderr)
         return 130
     out = outputs.paths()
-    rows = summary(subs)
+    rows = summary(outputs.rows(subs))
     if args.json:
         print(json.dumps([{"student": s.student, **(s.result.as_dict() if s.result else
                                                     {"notebook": str(s.path), "error": s.problem})}
@@ -145,8 +165,14 @@ def _grade_folder(folder: Path, args: argparse.Namespace) -> int:
         print(summary_text(rows))
     failed = [s for s in subs if s.result is None]
     where = ", ".join(str(p) for p in out.values())
-    print(f"[course] {len(subs) - len(failed)} of {len(subs)} notebooks graded; written: {where}",
-          file=sys.stderr)
+    print(f"[course] {len(subs) - len(failed)} of {len(subs)} notebooks graded{' again' if only else ''}; "
+          f"written: {where}", file=sys.stderr)
+    if feedback_dir is not None:
+        print(f"[course] to hand back: each folder {feedback_dir}{os.sep}<student>{os.sep} holds only that student's "
+              "feedback", file=sys.stderr)
+    missing = lms.not_in_roster(outputs.rows(subs), outputs.roster)
+    if missing:
+        print(f"[course] not in the roster (no lms_id in {out['lms'].name}): {', '.join(missing)}", file=sys.stderr)
     return 1 if failed else 0
 
 
@@ -162,10 +188,10 @@ def check(args: argparse.Namespace) -> int:
     for q in result.questions:
         hint = ex.question(q.name).hint
         word = "to do" if q.message.startswith("not implemented") else STATUS_WORD[q.status]
-        head = f"  [{word}] {q.name} ({points_text(q.max_score)} point{'' if q.max_score == 1 else 's'})"
+        head = f"  [{word}] {q.heading} ({points_text(q.max_score)} point{'' if q.max_score == 1 else 's'})"
         print(head if q.status == "passed" else f"{head}: {q.message}")
         # a hint helps with the function, not with another cell that raised or a dead kernel
-        helps = q.status in ("failed", "timeout") or q.message.startswith("your code raised")
+        helps = not q.earlier and (q.status in ("failed", "timeout") or q.message.startswith("your code raised"))
         if helps and hint and hint not in q.message:
             print(f"      hint: {hint}")
     passed = sum(q.status == "passed" for q in result.questions)

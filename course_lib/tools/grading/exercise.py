@@ -47,6 +47,8 @@ BEGIN_SOLUTION, END_SOLUTION = "BEGIN SOLUTION", "END SOLUTION"
 BEGIN_HIDDEN, END_HIDDEN = "BEGIN HIDDEN TESTS", "END HIDDEN TESTS"
 ANSWERS, CHECKS = "### ANSWERS", "### CHECKS"   # section markers, each alone on its line
 HINT = re.compile(r"^\s*#\s*HINT:\s*(?P<hint>.+?)\s*$")
+HEADING = re.compile(r"^#{2,6}\s+(?P<text>.+?)\s*#*\s*$", re.M)  # a question's heading; "#" titles the notebook
+POINTS = re.compile(r"\s*\(\s*[\d.]+\s+points?\s*\)", re.I)       # "(2 points)": the grade shows them anyway
 META_KEY = "course"  # notebook metadata the generated exercises carry: {"exercise": "<stem>"}
 
 
@@ -87,6 +89,7 @@ class Question:
     visible: Part | None = None
     hidden: Part | None = None
     forbid: tuple[str, ...] = ()   # dotted names the learner's code must not use for this question
+    title: str = ""           # its heading in the notebook ("Question 1: ..."), else its name
 
     @property
     def is_implementation(self) -> bool:
@@ -257,12 +260,16 @@ def parse_exercise(nb: NotebookNode, path: Path) -> Exercise:
     ex = Exercise(name=path.stem, path=path, notebook=nb)
     seen: set[str] = set()
     last_solution: NotebookNode | None = None
+    heading = ""  # the last heading since the previous test cell
     for i, cell in enumerate(nb.cells):
         where = f"{path.name}, cell {i + 1}"
         source = cell.get("source", "")
         _check_regions(source, BEGIN_SOLUTION, END_SOLUTION, where)
         _check_regions(source, BEGIN_HIDDEN, END_HIDDEN, where)
         gid = grade_id(cell)
+        if cell.get("cell_type") == "markdown":
+            found_headings = HEADING.findall(source)
+            heading = POINTS.sub("", found_headings[-1]).strip() if found_headings else heading
         if gid:
             if gid in seen:
                 raise GradingError(f"{where}: grade_id {gid!r} is used twice; each cell needs its own")
@@ -289,8 +296,8 @@ def parse_exercise(nb: NotebookNode, path: Path) -> Exercise:
                 name=gid, points=points, test_source=source,
                 solution_id=grade_id(last_solution) if last_solution is not None else None,
                 hint=next((h for h in found if h), None), visible=visible, hidden=hidden,
-                forbid=_forbidden(cell, where)))
-            last_solution = None
+                forbid=_forbidden(cell, where), title=heading or gid))
+            last_solution, heading = None, ""
         elif cell.get("cell_type") == "code" and source.strip():
             try:
                 compile(source, where, "exec")

@@ -1,40 +1,34 @@
 """Grade a learner's notebook against the instructor's tests (``course grade`` and ``course check``).
 
 Nothing the learner's kernel says about a test is believed; only what its
-answers are. The notebook that runs is built from the learner's cells, except
-that in place of every test cell (the learner's copy is never used; a
-deleted one is put back after its solution cell; a made-up one is dropped)
-runs a *producer*: the instructor's inputs and answers sections of that test
-(hidden ones too when grading), ending with ``wire.dump(got, ...)``. The kernel
-runs in a ``Sandbox``. Then, in this process, the answers are decoded as plain
+answers are. The notebook that runs is built from the learner's cells, with
+the instructor's tests in place of theirs (``runbook``). The kernel runs in a
+``Sandbox``. Then, in this process, the answers are decoded as plain
 data and the instructor's checks run on them (``checker.Checker``); the
 learner's source is read for what the question forbids (``forbid``).
 
 A question owns the cells from just after the previous test cell up to its own
 test cell. It scores its points only when all of them ran without an error, a
 timeout or a dead kernel, its answers could be read, every check passed, and
-nothing it forbids is used.
+nothing it forbids is used. A question that fails after an earlier cell
+raised (the imports cell, most often) names that cell as the first thing to fix.
 """
 
 from __future__ import annotations
 
-import copy
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import nbformat
-from nbformat import NotebookNode
 
 from course_lib.tools.grading import forbid, wire
-from course_lib.tools.grading.checker import Checker, Verdict, reseed_source, uses_torch
-from course_lib.tools.grading.exercise import (
-    Exercise, Question, find_exercise, grade_id, is_test_cell, notebook_from_bytes,
-)
+from course_lib.tools.grading.checker import Checker, Verdict, uses_torch
+from course_lib.tools.grading.exercise import Exercise, Question, find_exercise, grade_id, notebook_from_bytes
 from course_lib.tools.grading.execute import CellRun, run_notebook
 from course_lib.tools.grading.isolation import Limits, Sandbox, detect, limit_reason
 from course_lib.tools.grading.limits import Overtime, time_limit
+from course_lib.tools.grading.runbook import Producer, build_run_notebook, owned_cells, producer
 
 STATUSES = ("passed", "failed", "error", "timeout", "rejected")
 DECODE_TIMEOUT: float = 30  # seconds to decode one question's answers (linear in their size: a 64 MiB file takes ~2)
@@ -44,7 +38,9 @@ _MAX_MESSAGE = 400  # characters; a long traceback belongs in the notebook, not 
 
 @dataclass
 class QuestionResult:
-    """One question's outcome; ``status`` is one of ``STATUSES``; ``hidden``: what failed is a hidden test."""
+    """One question's outcome; ``status`` is one of ``STATUSES``; ``title``: its heading in the notebook;
+    ``hidden``: what failed is a hidden test; ``earlier``: what failed is another cell than the question's
+    function (the imports cell, say), so its hint does not apply."""
 
     name: str
     score: float
@@ -52,6 +48,13 @@ class QuestionResult:
     status: str
     message: str = ""
     hidden: bool = False
+    title: str = ""
+    earlier: bool = False
+
+    @property
+    def heading(self) -> str:
+        """How a person names the question: its title, else its id."""
+        return self.title or self.name
 
 
 @dataclass
@@ -72,109 +75,23 @@ class GradeResult:
         return sum(q.max_score for q in self.questions)
 
     def as_dict(self) -> dict:
-        """The ``--json`` form: notebook, score, max_score, questions."""
-        return {"notebook": self.notebook, "score": self.score, "max_score": self.max_score,
-                "questions": [{k: v for k, v in asdict(q).items() if k != "hidden"} for q in self.questions]}
+        """The ``--json`` form: notebook, exercise, score, max_score, questions (name, title, score, max_score,
+        status, message)."""
+        keys = ("name", "title", "score", "max_score", "status", "message")
+        return {"notebook": self.notebook, "exercise": self.exercise, "score": self.score,
+                "max_score": self.max_score, "questions": [{k: asdict(q)[k] for k in keys} for q in self.questions]}
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> GradeResult:
+        """The result ``as_dict`` wrote (a row of an earlier ``grades.json``)."""
+        keys = ("name", "score", "max_score", "status", "message", "title")
+        return cls(doc["notebook"], doc["exercise"], [QuestionResult(**{k: q[k] for k in keys if k in q})
+                                                      for q in doc["questions"]])
 
 
 def points_text(x: float) -> str:
     """Points as people write them: ``3``, ``2.5``."""
     return str(int(x)) if float(x).is_integer() else f"{x:g}"
-
-
-# ----- the notebook the kernel runs --------------------------------------------------------------
-
-
-@dataclass
-class Producer:
-    """The source that replaces a test cell in the kernel, and which part each of its lines comes from."""
-
-    source: str
-    lines: dict[int, str]   # line number -> "visible" or "hidden"
-
-
-def producer(q: Question, hidden: bool, answers_path: str, torch_too: bool) -> Producer:
-    """Inputs and answers of ``q`` (the hidden ones when ``hidden``), then ``got`` saved to ``answers_path``."""
-    out: list[str] = [reseed_source(torch_too), "from course_lib.tools.grading.checks import raised"]
-    lines: dict[int, str] = {}
-    parts = [("visible", q.visible)] + ([("hidden", q.hidden)] if hidden and q.hidden is not None else [])
-    for kind, part in parts:
-        if kind == "hidden":
-            out.append(reseed_source(torch_too))
-        for section in (part.inputs, part.answers):
-            for line in section.source.splitlines():
-                out.append(line)
-                lines[len(out)] = kind
-    out.append(f"from course_lib.tools.grading.wire import dump as _course_dump; _course_dump(got, {answers_path!r})")
-    return Producer("\n".join(out), lines)
-
-
-def build_run_notebook(learner: NotebookNode, ex: Exercise,
-                       tests: dict[str, str]) -> tuple[NotebookNode, list[str], dict[str, int]]:
-    """The notebook to execute, a label per cell for messages, and where each question's test sits."""
-    nb = nbformat.v4.new_notebook(metadata=copy.deepcopy(learner.metadata))
-    labels: list[str] = []
-    test_at: dict[str, int] = {}
-    for i, cell in enumerate(learner.cells):
-        gid = grade_id(cell)
-        if gid in tests:
-            if gid in test_at:
-                continue  # a duplicated test cell would run the test twice
-            cell = _test_cell(ex.question(gid), tests[gid])
-            test_at[gid] = len(nb.cells)
-        elif is_test_cell(cell):
-            continue  # a "test" this exercise does not have
-        else:
-            cell = copy.deepcopy(cell)
-            if cell.cell_type == "code":
-                cell.outputs, cell.execution_count = [], None
-        nb.cells.append(cell)
-        labels.append(_label(i, cell))
-    for q in ex.questions:
-        if q.name not in test_at:
-            at = _insert_position(nb, q, ex, test_at)
-            nb.cells.insert(at, _test_cell(q, tests[q.name]))
-            labels.insert(at, "the test cell")
-            test_at = {k: (v + 1 if v >= at else v) for k, v in test_at.items()}
-            test_at[q.name] = at
-    # cells after the last test belong to no question: running them could only cost time
-    last = max(test_at.values())
-    del nb.cells[last + 1:], labels[last + 1:]
-    for at in test_at.values():
-        labels[at] = "the test cell"
-    return nb, labels, test_at
-
-
-def _label(index: int, cell: NotebookNode) -> str:
-    """How a message names a learner's cell: Jupyter shows no numbers, so quote its first line too."""
-    first = next((line.strip() for line in cell.source.splitlines() if line.strip()), "")
-    return f"cell {index + 1} ({first[:40] + '...' if len(first) > 40 else first!s})" if first else f"cell {index + 1}"
-
-
-def _test_cell(q: Question, source: str) -> NotebookNode:
-    cell = nbformat.v4.new_code_cell(source)
-    cell.metadata["nbgrader"] = {"grade": True, "solution": False, "locked": True, "points": q.points,
-                                 "grade_id": q.name, "schema_version": 3}
-    return cell
-
-
-def _insert_position(nb: NotebookNode, q: Question, ex: Exercise, test_at: dict[str, int]) -> int:
-    """Just after the question's solution cell, else after the previous question's test, else at the end."""
-    for i, cell in enumerate(nb.cells):
-        if q.solution_id and grade_id(cell) == q.solution_id:
-            return i + 1
-    before = [p.name for p in ex.questions[: ex.questions.index(q)] if p.name in test_at]
-    return test_at[before[-1]] + 1 if before else len(nb.cells)
-
-
-def owned_cells(nb: NotebookNode, test_at: dict[str, int]) -> dict[int, list[int]]:
-    """Test cell position -> the code cells of its question (from after the previous test up to it)."""
-    owner: dict[int, list[int]] = {}
-    start = 0
-    for at in sorted(test_at.values()):
-        owner[at] = [i for i in range(start, at + 1) if nb.cells[i].cell_type == "code"]
-        start = at + 1
-    return owner
 
 
 # ----- scoring -----------------------------------------------------------------------------------
@@ -185,13 +102,15 @@ def _short(text: str) -> str:
     return text if len(text) <= _MAX_MESSAGE else text[: _MAX_MESSAGE - 3] + "..."
 
 
-def _result(q: Question, status: str, message: str, hidden: bool = False) -> QuestionResult:
-    return QuestionResult(q.name, q.points if status == "passed" else 0, q.points, status, _short(message), hidden)
+def _result(q: Question, status: str, message: str, hidden: bool = False, earlier: bool = False) -> QuestionResult:
+    return QuestionResult(q.name, q.points if status == "passed" else 0, q.points, status, _short(message), hidden,
+                          q.title, earlier)
 
 
 def _judge_cells(q: Question, cells: list[int], test: int, labels: list[str], runs: list[CellRun],
-                 prod: Producer, limits: Limits) -> QuestionResult | None:
-    """The first thing that went wrong in a question's cells in the kernel, if anything did."""
+                 prod: Producer, limits: Limits, function: int | None) -> QuestionResult | None:
+    """The first thing that went wrong in a question's cells in the kernel, if anything did (``function``:
+    where the question's solution cell is)."""
     for i in cells:
         run, label = runs[i], labels[i]
         limit = run.limit or (limit_reason(run.ename, run.evalue, limits) if run.status == "error" else "")
@@ -206,9 +125,12 @@ def _judge_cells(q: Question, cells: list[int], test: int, labels: list[str], ru
         if run.status == "dead":
             return _result(q, "error", f"the kernel died while running {label} (os._exit, a crash, or out of "
                                        "memory); nothing after it can pass")
-        if run.status == "error" and i != test:
+        if run.status == "error" and i == function:
             return _result(q, "error", f"{label} raised {run.ename}: {run.evalue}; "
                                        "every cell of a question must run without an error")
+        if run.status == "error" and i != test:
+            return _result(q, "error", f"{label} raised {run.ename}: {run.evalue}: fix it first (every cell of "
+                                       "a question must run without an error)", earlier=True)
     run = runs[test]
     if run.status != "error":
         return None
@@ -220,6 +142,24 @@ def _judge_cells(q: Question, cells: list[int], test: int, labels: list[str], ru
     if run.ename == "WireError":
         return _result(q, "error", f"your answer cannot be sent to the grader: {run.evalue}", hidden)
     return _result(q, "error", f"your code raised {run.ename} on {inputs}: {run.evalue}", hidden)
+
+
+def _first_raised(runs: list[CellRun], tests: set[int]) -> int | None:
+    """The first of the learner's cells (not a test) that raised an error, if any did."""
+    return next((i for i, run in enumerate(runs) if run.status == "error" and i not in tests), None)
+
+
+def _blame_earlier(found: QuestionResult, first: int | None, cells: list[int], labels: list[str],
+                   runs: list[CellRun]) -> QuestionResult:
+    """``found``, led by the cell before the question's own that raised (``first``): that is what to fix first,
+    and the question's hint does not apply to it."""
+    if first is None or found.status not in ("error", "failed") or found.hidden or first >= min(cells):
+        return found  # a hidden test's failure: the visible ones ran, so that cell was not in the way
+    run = runs[first]
+    found.message = _short(f"{labels[first]} failed ({run.ename}: {run.evalue}): fix it first; this question "
+                           f"then: {found.message}")
+    found.earlier = True
+    return found
 
 
 class _Answers:
@@ -291,10 +231,12 @@ def grade_notebook(path: Path | str, timeout: int = 60, solutions: Path | str | 
     tests = set(test_at.values())
     code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and i not in tests]
     sources, code_labels = [nb.cells[i].source for i in code], [labels[i] for i in code]
+    first = _first_raised(runs, tests)
     results = []
     for q in ex.questions:
         at = test_at[q.name]
-        found = _judge_cells(q, owner[at], at, labels, runs, prods[q.name], limits)
+        function = next((i for i in owner[at] if q.solution_id and grade_id(nb.cells[i]) == q.solution_id), None)
+        found = _judge_cells(q, owner[at], at, labels, runs, prods[q.name], limits, function)
         if found is None and isinstance(answers.get(q.name), wire.WireError):
             found = _result(q, "error", f"your answers could not be read: {answers[q.name]}")
         if found is None:
@@ -304,5 +246,5 @@ def grade_notebook(path: Path | str, timeout: int = 60, solutions: Path | str | 
         if used:
             found = _result(q, "rejected", "this question asks you to write it yourself, but your code "
                                            + "; ".join(used))
-        results.append(found)
+        results.append(_blame_earlier(found, first, owner[at], labels, runs))
     return GradeResult(notebook=str(path), exercise=ex.name, questions=results, isolation=mode)

@@ -1,9 +1,11 @@
 """The learner's copy of the course (``course release DEST``): everything to follow it, nothing to grade it with.
 
 It holds the lecture notebooks, ``course_lib``, the exercises (generated
-afresh from the solutions, so never stale), the data card, the README, the
-docs, the benchmarks and the install files. It leaves out ``solutions/``, the
-tests and the grading benchmark (which read the solutions) and anything built. Before it returns, it
+afresh from the solutions, so never stale), the data card, a README for
+learners and the learners' part of the exercises' README (``readme``), the
+docs but the instructors' pages, the benchmarks and the install files. It
+leaves out ``solutions/``, the tests and the grading benchmark (which read
+the solutions) and anything built. Before it returns, it
 reads every file it wrote for any line of any hidden test (lines the
 exercises also show are public and allowed) and fails if it finds one. In
 the copy, ``course check`` runs the visible tests from ``exercises/``.
@@ -15,11 +17,12 @@ import json
 import shutil
 from pathlib import Path
 
-from course_lib.tools.grading import assign
+from course_lib.tools.grading import assign, readme
 from course_lib.tools.grading.exercise import ROOT, Catalog, GradingError, split_test
 
-INCLUDE = ["README.md", "pyproject.toml", "environment.yml", "Makefile", ".gitignore", "notebooks", "course_lib",
-           "data/README.md", "data/shapes_examples.jpg", "docs", "benchmarks", "exercises/README.md"]
+INCLUDE = ["pyproject.toml", "environment.yml", "Makefile", ".gitignore", "notebooks", "course_lib",
+           "data/README.md", "data/shapes_examples.jpg", "docs", "benchmarks"]
+INSTRUCTORS = ["docs/grading.md", "docs/instructors.md"]  # how to grade: the learners get the README's words
 # bench_grading grades the exercises with their solutions: an instructor's benchmark
 SKIP = shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints", "build", "*.egg-info", "bench_grading.py")
 MARKER = ".course-release"
@@ -72,6 +75,12 @@ def write_release(dest: Path, solutions: Path | str | None = None, force: bool =
         elif src.is_file():
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / rel)
+    for rel in INSTRUCTORS:
+        (dest / rel).unlink(missing_ok=True)
+    (dest / "README.md").write_text(readme.learner_readme(ROOT, catalog), encoding="utf-8")
+    (dest / "exercises").mkdir(exist_ok=True)
+    (dest / "exercises" / "README.md").write_text(
+        readme.learners_part((ROOT / "exercises" / "README.md").read_text(encoding="utf-8")), encoding="utf-8")
     for path, text in assign.planned(catalog.folder, dest / "exercises").items():
         path.write_text(text, encoding="utf-8")
     lines = hidden_lines(catalog)
