@@ -319,12 +319,20 @@ def _bf16_ops() -> frozenset:
             aten._scaled_dot_product_flash_attention_for_cpu_backward})
 
 
-def bf16_matmuls(device: "torch.device | str" = "cpu"):
+def bf16_matmuls(device: "torch.device | str" = "cpu", emulate: tuple[str, ...] = ("slow", "broken")):
     """A context in which bf16 matmuls run as this machine allows: natively, or emulated (``EmulatedBF16``) where
-    the probe found bf16 slow or broken. Wrap a bf16 cell's work in it: ``with kernels.bf16_matmuls(DEVICE): ...``."""
+    ``kernels.probe("bf16")``'s verdict is in ``emulate``. Wrap a bf16 region in it, its backward included:
+    ``with kernels.bf16_matmuls(DEVICE): ...``. Chapter 09 passes ``("broken",)``: it times the slow kernel."""
     from contextlib import nullcontext
 
-    return nullcontext() if native("bf16", device) else _emulated_bf16_mode()
+    cpu = torch_device_type(device) == "cpu"
+    return _emulated_bf16_mode() if cpu and probe("bf16").verdict in emulate else nullcontext()
+
+
+def torch_device_type(device: "torch.device | str") -> str:
+    import torch
+
+    return torch.device(device).type
 
 
 guard_forced()

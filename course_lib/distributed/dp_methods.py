@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from course_lib import memory
+from course_lib import kernels, memory
 from course_lib.distributed import comm
 from course_lib.distributed.ddp import counting_allreduce_hook
 from course_lib.distributed.experiment import RunConfig, build_model, local_batch, reference
@@ -152,9 +152,14 @@ def setup(method: str, cfg: RunConfig, device: torch.device) -> Method:
         def held() -> dict[str, int]:
             return held_bytes(model, opt)
 
+    # bf16 matmuls as this CPU runs them: the slow kernel itself (chapter 09 times what it costs), the emulated twin
+    # only where it is broken (kernels.probe)
+    bf16 = (lambda: kernels.bf16_matmuls(device, emulate=("broken",))) if method == "fsdp2_bf16" else contextlib.nullcontext
+
     def step(x: torch.Tensor, y: torch.Tensor) -> float:
         zero_grad()
-        loss = forward_backward(model, x, y, cfg.accumulation, no_sync)
+        with bf16():
+            loss = forward_backward(model, x, y, cfg.accumulation, no_sync)
         with sync_counter():
             opt.step()
         return loss
