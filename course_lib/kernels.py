@@ -257,7 +257,8 @@ def guard_forced() -> None:
     fp8: the CPU kernel of ``_scaled_mm`` is overridden where it is registered, below autograd and the Python
     dispatch modes, so an emulation (``fp8_linear.ScaledMMEmulation``) still catches the call first. bf16: a dispatch
     mode at the bottom of the stack refuses bf16 matmuls; ``bf16_matmuls``' emulation, entered above it, hands it
-    float32 ones. Every op then passes through Python: forced runs are slower, and only the tests force."""
+    float32 ones (not in torchrun's ranks, see below). Every op then passes through Python: forced runs are slower,
+    and only the tests force."""
     if _GUARD:
         return
     import torch
@@ -270,7 +271,9 @@ def guard_forced() -> None:
         lib = torch.library.Library("aten", "IMPL")
         lib.impl("_scaled_mm", lambda *a, **k: refuse("torch._scaled_mm"), "CPU")
         _GUARD.append(lib)
-    if forced().get("bf16") == "broken":
+    # bf16's guard stays out of the ranks torchrun starts: a mode under every op changes what their profiler traces
+    # record (chapter 09 reads its collectives from them)
+    if forced().get("bf16") == "broken" and "LOCAL_RANK" not in os.environ:
         from torch.utils._python_dispatch import TorchDispatchMode, _push_mode
 
         class RefuseBF16(TorchDispatchMode):

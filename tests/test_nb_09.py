@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import pytest
-from conftest import notebook_claims
+from conftest import notebook_claims, variants
 
 pytestmark = pytest.mark.notebook
 
 
-@pytest.fixture(scope="module")
-def c() -> dict:
-    return notebook_claims("09")
+@pytest.fixture(scope="module", params=variants("09"), ids=lambda v: v or "measured")
+def c(request) -> dict:
+    """The claims as this CPU's kernels ran them, then with bf16 forced broken (its emulated twin runs)."""
+    return notebook_claims("09", request.param)
 
 
 def test_formulas(c: dict) -> None:
