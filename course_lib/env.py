@@ -6,8 +6,8 @@ A *profile* names how big the experiments are:
 - ``cpu``: a laptop, at most three minutes per notebook and twenty for the course (``BUDGET_S``);
 - ``gpu``: one modern GPU, full sizes (it needs CUDA: see ``pick_profile``).
 
-Not every CPU runs bf16 at speed: ``cpu_speed`` reads ``kernels.probe("bf16")``, and the notebooks whose bf16
-cells would take minutes on a CPU that emulates bf16 run those cells smaller there (``bf16_is_slow``).
+Not every CPU runs bf16 at speed: ``cpu_speed`` reads ``kernels.probe("bf16")`` (the capability and the ratio
+chapter 00 prints), and ``bf16_is_slow`` says whether bf16 is anything but native there.
 """
 
 from __future__ import annotations
@@ -199,8 +199,8 @@ class CpuSpeed:
         speed = ("bf16 matmuls are broken or forced slow (`course doctor` says which)" if self.bf16_over_fp32 != self.bf16_over_fp32
                  else f"a bf16 matmul takes {self.bf16_over_fp32:.1f}x as long as fp32" if self.bf16_over_fp32 >= 1
                  else f"a bf16 matmul takes {self.bf16_over_fp32:.2f} of fp32's time")
-        meaning = ("bf16 is emulated on this CPU: the bf16 cells of the cpu profile run at smaller sizes there "
-                   "(chapters 05 and 13 say so where they do), and bf16 times say nothing about a GPU"
+        meaning = ("bf16 is emulated on this CPU: chapter 05 runs its bf16 steps through an emulated twin at fp32's "
+                   "speed, chapter 13 leaves bf16 out (each says so), and bf16 times say nothing about a GPU"
                    if self.bf16_is_slow else "bf16 runs natively on this CPU")
         return f"{self.capability}, {speed} ({meaning})"
 
@@ -216,10 +216,10 @@ def cpu_speed() -> CpuSpeed:
 
 
 def bf16_is_slow(device: "torch.device | str") -> bool:
-    """Whether bf16 work on ``device`` runs emulated, many times slower than fp32 (a CPU without native bf16).
+    """Whether bf16 matmuls on ``device`` are not native: slow (a CPU without bf16 instructions) or broken.
 
-    A notebook asks this before a bf16 cell whose *time* would break the cpu budget: its claims are about
-    bytes, which do not need bf16's speed, so it runs that cell at smaller sizes there and says so.
+    The planner (chapter 13) asks this before it searches bf16; a chapter that runs bf16 asks
+    ``kernels.bf16_matmuls`` for the kernel or its emulated twin instead.
     """
     import torch
 
