@@ -97,6 +97,8 @@ def learner_readme(root: Path, catalog: Catalog) -> str:
         "```",
         "",
         "The profile (`smoke`, `cpu` or `gpu`) sets how big the experiments are: `gpu` where PyTorch sees a GPU,",
-        "`cpu` otherwise; set `COURSE_PROFILE` to choose.",
+        "`cpu` otherwise; set `COURSE_PROFILE` to choose. [docs/running.md](docs/running.md) says more: the",
+        "profiles, how long each notebook took on the CPUs measured, and what the course does where your CPU's bf16",
+        "or FP8 kernels are slow or broken; [docs/gpu.md](docs/gpu.md) covers GPUs and hosted notebooks.",
         "",
     ])

@@ -22,7 +22,8 @@ from course_lib.tools.grading.exercise import ROOT, Catalog, GradingError, split
 
 INCLUDE = ["pyproject.toml", "environment.yml", "Makefile", ".gitignore", "notebooks", "course_lib",
            "data/README.md", "data/shapes_examples.jpg", "docs", "benchmarks"]
-INSTRUCTORS = ["docs/grading.md", "docs/instructors.md"]  # how to grade: the learners get the README's words
+INSTRUCTORS = ["docs/grading.md", "docs/instructors.md", "docs/testing.md"]  # how to grade and test: the
+# learners get the README's words, and no tests
 # bench_grading grades the exercises with their solutions: an instructor's benchmark
 SKIP = shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints", "build", "*.egg-info", "bench_grading.py")
 MARKER = ".course-release"
