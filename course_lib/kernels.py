@@ -277,6 +277,10 @@ def guard_forced() -> None:
         from torch.utils._python_dispatch import TorchDispatchMode, _push_mode
 
         class RefuseBF16(TorchDispatchMode):
+            @classmethod
+            def is_infra_mode(cls) -> bool:  # so that torch.compile still compiles under it (chapter 11)
+                return True
+
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 if func.overloadpacket in _bf16_ops() and any(
                         isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 and a.device.type == "cpu"
