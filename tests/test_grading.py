@@ -243,7 +243,19 @@ def training_state_bytes(model, optimizer):
     total = sum(p.numel() * p.element_size() for p in params)   # frozen parameters counted as trainable
     return {"params": total, "grads": total,
             "optimizer": buffers[optimizer] * total + (4 * len(params) if optimizer == "adam" else 0)}'''},
-    "03_gradient_accumulation": {"q3_token_accumulation_step": '''
+    "03_gradient_accumulation": {"q2_accumulate_stream": '''
+def accumulate_stream(model, loss_fn, pieces):
+    pieces = list(pieces)                  # reads every piece first, to know N before the first forward
+    n = sum(len(x) for x, _ in pieces)
+    if n == 0:
+        raise ValueError("no piece")
+    model.zero_grad()
+    total = 0.0
+    for x, y in pieces:
+        loss = loss_fn(model(x), y) * (len(x) / n)
+        loss.backward()
+        total += loss.item()
+    return total''', "q3_token_accumulation_step": '''
 def token_accumulation_step(model, micro_batches):
     total_tokens = sum(int((t != -100).sum()) for _, t in micro_batches)
     if total_tokens == 0:
