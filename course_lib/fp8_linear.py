@@ -39,10 +39,15 @@ def scaled_mm_kernel(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor
 
 def scaled_mm_emulated(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor
                        ) -> torch.Tensor:
-    """What ``_scaled_mm`` computes, in float32: each FP8 value (exact in float32) divided by its scale, then an
-    fp32 matmul (torchao's ``emulate`` computes the same way). Equal to the kernel to float32 rounding; a little
-    over fp32's time on any CPU (the two conversions)."""
-    return (a_q.float() / a_scale) @ (b_q.float() / b_scale)
+    """What ``_scaled_mm`` computes, in float32: each FP8 value (exact in float32) times its dequantizing scale
+    ``1 / scale``, as the kernel is handed it, then an fp32 matmul. Equal to the kernel to float32 rounding; a
+    little over fp32's time on any CPU (the two conversions)."""
+    return _dequantized_product(a_q, (1.0 / a_scale).reshape(()), b_q, (1.0 / b_scale).reshape(()))
+
+
+def _dequantized_product(a: torch.Tensor, inv_a: torch.Tensor, b: torch.Tensor, inv_b: torch.Tensor) -> torch.Tensor:
+    # one arithmetic for both twins (ours and torchao's calls), so that the two FP8 layers built on them round alike
+    return (a.float() * inv_a) @ (b.float() * inv_b)
 
 
 def cast_dynamic(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,7 +98,8 @@ class ScaledMMEmulation(TorchDispatchMode):
     """Inside the block every ``torch._scaled_mm`` on a CPU computes ``scaled_mm_emulated``'s arithmetic instead,
     whoever calls it: torchao's ``Float8Linear`` calls the kernel from inside its tensor subclass, so the subclass
     is let through (``NotImplemented``) and its own call to the kernel is caught. (torchao's ``emulate`` option is
-    no twin: it changes torchao's numbers by about 1e-3 of the logits, against 3e-7 from the kernel.)"""
+    no twin: it changes torchao's numbers by about 1e-3 of the logits, against 3e-7 from the kernel.) The same
+    arithmetic as ``scaled_mm_emulated``: the two layers then differ only where their scales do."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -103,7 +109,7 @@ class ScaledMMEmulation(TorchDispatchMode):
             return func(*args, **kwargs)
         a, b, inv_a, inv_b = args[:4]  # _scaled_mm takes the dequantizing (inverse) scales
         extra = dict(zip(("bias", "scale_result", "out_dtype", "use_fast_accum"), args[4:]), **kwargs)
-        out = (a.float() * inv_a) @ (b.float() * inv_b)
+        out = _dequantized_product(a, inv_a, b, inv_b)
         out = out + extra["bias"] if extra.get("bias") is not None else out
         return out.to(extra.get("out_dtype") or a.dtype)
 
