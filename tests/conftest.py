@@ -192,8 +192,6 @@ def pytest_terminal_summary(terminalreporter) -> None:
     if _cache:
         terminalreporter.write_sep("-", f"notebooks executed at profile {PROFILE}")
         terminalreporter.write_line(runner.summary([_cache[k] for k in sorted(_cache)], PROFILE))
-        for k in sorted(k for k in _cache if "@" in k):
-            terminalreporter.write_line(f"[course]   {k}: under {kernels.FORCE_ENV}={k.split('@')[1]}")
 
 
 _FORCED_FOLDER = "forced-{}"  # where a notebook run under COURSE_KERNELS=spec writes, beside OUT's own runs
@@ -217,6 +215,8 @@ def notebook_claims(prefix: str, forced: str = "") -> dict:
         out = OUT / _FORCED_FOLDER.format(forced) if forced else OUT
         _cache[key] = _prefetched(key) or runner.execute(runner.find_notebooks([prefix])[0], PROFILE, out,
                                                          kernels=forced)
+        if forced:  # its own row in the session's table: 06_fp8_training@all=slow
+            _cache[key]["notebook"] = _cache[key]["notebook"].replace(".ipynb", f"@{forced}.ipynb")
     result = _cache[key]
     if result["error"]:
         under = f" under {kernels.FORCE_ENV}={forced}" if forced else ""
