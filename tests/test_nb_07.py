@@ -110,5 +110,7 @@ def test_profiler_trace_shows_where_the_all_reduces_run(claims):
     assert claims["ch07/trace_overlap_fraction/naive"] == 0.0
     assert claims["ch07/trace_queued_in_backward/bucketed"] == claims["ch07/trace_allreduces/bucketed"]
     assert min(claims["ch07/trace_allreduces/bucketed"]) >= 3
+    # a cap of a quarter of the gradient on whole tensors: the output layer's bucket and one per hidden layer
+    assert claims["ch07/trace_allreduces/bucketed"] == [5, 5]
     assert claims["ch07/trace_overlap_fraction/bucketed"] > 0.0
     assert claims["ch07/trace_files_bytes"] < 2e6  # small enough to keep under build/

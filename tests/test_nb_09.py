@@ -22,8 +22,14 @@ def test_formulas(c: dict) -> None:
 
 def test_zero_by_hand_is_adam(c: dict) -> None:
     assert c["ch09/byhand_max_diff_float64"] < 1e-10
-    # float32: the key bias (true gradient 0, pure rounding noise) drifts most, by Adam's step for noise
-    assert "qkv.bias" in c["ch09/byhand_float32_worst_param"]
+    # float32: the attention biases (the key bias: true gradient 0, pure rounding noise) drift by Adam's step for
+    # noise, the order of the largest difference; which parameter holds the largest one is the machine's rounding
+    worst = c["ch09/byhand_float32_worst_param"]
+    assert worst.startswith("blocks.")  # named, the notebook prints it
+    assert c["ch09/byhand_float32_qkv_bias_max_diff"] <= c["ch09/byhand_max_diff_float32"]
+    assert c["ch09/byhand_float32_qkv_bias_max_diff"] > 0.1 * c["ch09/byhand_max_diff_float32"]
+    if "qkv.bias" in worst:
+        assert c["ch09/byhand_float32_qkv_bias_max_diff"] == c["ch09/byhand_max_diff_float32"]
     assert c["ch09/key_bias_grad_max"] < 1e-6 < c["ch09/query_bias_grad_max"]
     # Adam turns that noise into steps of lr |g| / (|g| + eps): over the steps, the order of the float32 difference
     ratio = c["ch09/byhand_max_diff_float32"] / c["ch09/key_bias_noise_drift"]
@@ -107,6 +113,8 @@ def test_accumulation_traffic(c: dict) -> None:
     assert abs(r["zero1"] - 1) < 0.01
     assert abs(r["zero2"] - 1.5) < 0.01  # (A + 1) / 2: a reduce-scatter after every micro-batch
     assert abs(r["fsdp2"] / 3 - 1) < 0.05  # 3A / 2
+    # ZeroRedundancyOptimizer broadcasts each parameter tensor once per step, not once in all
+    assert c["ch09/zero_redundancy_broadcasts_per_step"] == c["ch09/parameter_tensors"]
 
 
 def test_communication_is_1x_1x_1p5x(c: dict) -> None:

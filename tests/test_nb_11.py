@@ -21,6 +21,10 @@ def test_fused_attention_claims(profile):
     assert abs(c["ch11/fused_quadratic_share"]) < 0.01
     assert abs(c["ch11/fused_saved_doubling_ratio"] - 2) < 0.01
     assert c["ch11/fused_saved_ratio_longest"] < 0.6
+    # log-log slopes: the fused path's 1 throughout, the naive path's rising with T, between 1 and 2
+    assert all(abs(s - 1) < 0.01 for s in c["ch11/fused_loglog_slopes"])
+    naive_slopes = c["ch11/naive_loglog_slopes"]
+    assert all(1 < a < b < 2 for a, b in zip(naive_slopes, naive_slopes[1:]))
     assert c["ch11/estimator_max_rel_error"] <= 0.05
     assert c["ch11/fused_loss_abs_diff"] < 1e-5
     assert c["ch11/fused_grad_max_abs_diff"] < 1e-6
