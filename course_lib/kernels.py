@@ -43,8 +43,9 @@ KERNELS = {
 # bf16, fp16: measured 0.2-0.5 with AVX512-BF16 or AMX, 20-60 on AVX2-only CPUs (oneDNN converts element by
 # element); anything above 3 makes a bf16 cell several times slower than its fp32 twin. fp8: 2-4 on the AVX-512
 # EPYC the course was timed on (chapter 06 fits its budget there), 7 with oneDNN held to AVX2 on an AMX Xeon, and
-# 2,900 on that Xeon's default path; the emulated twin (fp32 matmul of the dequantized values) costs about 1.5.
-# torchao: its eager layer adds casts and amax reductions around each small matmul: about 11 on the EPYC.
+# 2,900 on that Xeon's default path; the emulated twin (an fp32 matmul of the dequantized values) took 2.2 at
+# 256 x 256 on the EPYC. torchao: its eager layer adds casts and amax reductions around each small matmul: 3.4-4.5
+# on the EPYC, where its _scaled_mm took 3.
 SLOW_RATIO = {"bf16": 3.0, "fp16": 3.0, "fp8": 10.0, "torchao": 30.0}
 # A first call this many times past its limit is verdict enough: a 3,000x kernel is not called twice.
 _CLEARLY = 10.0
@@ -332,14 +333,10 @@ def bf16_matmuls(device: "torch.device | str" = "cpu", emulate: tuple[str, ...] 
     ``with kernels.bf16_matmuls(DEVICE): ...``. Chapter 09 passes ``("broken",)``: it times the slow kernel."""
     from contextlib import nullcontext
 
-    cpu = torch_device_type(device) == "cpu"
-    return _emulated_bf16_mode() if cpu and probe("bf16").verdict in emulate else nullcontext()
-
-
-def torch_device_type(device: "torch.device | str") -> str:
     import torch
 
-    return torch.device(device).type
+    cpu = torch.device(device).type == "cpu"
+    return _emulated_bf16_mode() if cpu and probe("bf16").verdict in emulate else nullcontext()
 
 
 guard_forced()
