@@ -104,7 +104,7 @@ def pick_profile(requested: str | None = None) -> str:
 
 def sizes(profile: str, table: Mapping[str, T]) -> T:
     """Look up this profile's entry in a notebook's size table, with a clear error if it is missing."""
-    check_profile(profile)
+    profile = check_profile(profile)  # "CPU" is cpu here too
     if profile not in table:
         raise KeyError(f"the size table has no entry for profile {profile!r}; it has {sorted(table)}")
     return table[profile]
@@ -124,7 +124,7 @@ def budget_line(profile: str, notebook: str) -> str:
     """What ``notebook`` (``"04"``) may take at ``profile``, what it took on the machines measured, and this CPU."""
     import torch
 
-    check_profile(profile)
+    profile = check_profile(profile)
     if profile == "gpu":
         return ("gpu profile: sizes for one modern GPU (each notebook's parameters cell estimates its time; the "
                 "course has not yet been timed on a GPU)")

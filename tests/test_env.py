@@ -18,6 +18,9 @@ def test_a_profile_typed_in_another_case_or_with_spaces_is_forgiven(monkeypatch)
     assert env.pick_profile(" Cpu ") == "cpu"
     monkeypatch.setenv("COURSE_PROFILE", "SMOKE ")
     assert env.pick_profile() == "smoke"
+    # and where a notebook passes the name on as typed: its size table and its budget line
+    assert env.sizes(" CPU", {"cpu": 1, "smoke": 2}) == 1
+    assert env.budget_line("CPU ", "04") == env.budget_line("cpu", "04")
 
 
 def test_unknown_profile_is_a_clear_error(monkeypatch):
