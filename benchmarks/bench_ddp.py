@@ -9,15 +9,15 @@ what bucketing and overlap buy.
 
 from __future__ import annotations
 
-from course_lib.distributed import launch
-from course_lib.workers.ddp_compare import CompareResult
+from course_lib.experiments import launch
+from course_lib.experiments.workers.ddp_compare import CompareResult
 
 ROUNDS, STEPS = 7, 5  # 7 interleaved rounds of 5 steps per wrapper: the median tames a busy machine
 
 
 def run() -> dict:
     result = CompareResult.from_dict(launch.run(
-        "course_lib.workers.ddp_compare", 2,
+        "course_lib.experiments.workers.ddp_compare", 2,
         ["--timing-only", "--timing-rounds", str(ROUNDS), "--timing-steps", str(STEPS)], timeout=600,
         env={"COURSE_DIST_BACKEND": "gloo"}))
     ms = result.timing.ms

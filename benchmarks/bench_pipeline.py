@@ -11,16 +11,16 @@ the schedule's own idle time ((p-1)/(m+p-1), (p-1)/(v m+p-1), and Qi et al.'s ZB
 
 from __future__ import annotations
 
-from course_lib.distributed import launch
-from course_lib.distributed.pipeline import bubble_formula
-from course_lib.workers.pipeline_run import PipelineResult
+from course_lib.experiments import launch
+from course_lib.parallel.pipeline.schedules import bubble_formula
+from course_lib.experiments.workers.pipeline_run import PipelineResult
 
 P, M = 4, 8
 
 
 def run() -> dict:
     result = PipelineResult.from_dict(launch.run(
-        "course_lib.workers.pipeline_run", nproc=P, timeout=300, env={"COURSE_DIST_BACKEND": "gloo"},
+        "course_lib.experiments.workers.pipeline_run", nproc=P, timeout=300, env={"COURSE_DIST_BACKEND": "gloo"},
         args=["--api", "handmade", "--schedules", "gpipe,1f1b,interleaved,zb-h1", "--microbatches", str(M),
               "--t-forward-ms", "50", "--t-backward-ms", "100", "--repeats", "2"]))
     error = {r.kind: abs(r.bubble_measured - r.bubble_formula) for r in result.handmade}

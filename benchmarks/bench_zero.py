@@ -1,6 +1,6 @@
 """ZeRO and FSDP2 against DDP on 4 ranks (chapter 09): bytes held, the peak of a step, bytes sent, step time.
 
-One launch of ``course_lib.workers.zero_compare``; every ratio compares rank
+One launch of ``course_lib.experiments.workers.zero_compare``; every ratio compares rank
 0 of a method with rank 0 of DDP at the same world size. The memory and
 traffic goals follow from the ZeRO paper (1/N of the sharded state; 1x, 1x and
 1.5x of DDP's traffic). The peak goal is the point of stage 2: a model with
@@ -12,8 +12,8 @@ Peaks per rank and step times are plain figures (times are noisy on a shared CPU
 
 from __future__ import annotations
 
-from course_lib.distributed.experiment import RunConfig
-from course_lib.workers.zero_common import run_workers
+from course_lib.experiments.run_config import RunConfig
+from course_lib.experiments.workers.zero_common import run_workers
 
 WORLD = 4
 CFG = RunConfig(d_model=128, n_layers=4, seq_len=16, batch=8, steps=5, bucket_mb=0.25)

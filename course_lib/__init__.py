@@ -19,15 +19,15 @@ listed above it:
 - ``checkpointing``: segment plans, checkpointed forwards, selective checkpointing (chapter 05);
 - ``fp8`` and ``fp8_linear``: FP8 formats and their scaling, and a linear layer whose matmuls run in FP8
   (chapter 06);
-- ``distributed/``: data parallelism by hand (chapter 07), pipelines (08), ZeRO and FSDP2 (09), tensor and
-  sequence parallelism (10), context and expert parallelism (12), and the launcher that starts their workers;
+- ``parallel/``: one folder per parallelism: data parallel (chapter 07), pipeline (08), sharding, ZeRO and
+  FSDP2 (09), tensor and sequence parallel (10), context and expert parallel (12), and their collectives;
 - ``trace``: profiler traces, read back and drawn (chapters 07, 09, 11);
 - ``offload``, ``chunked_loss`` and ``memory_profile``: memory beyond splitting, and the profiler's view of it
   (chapter 11);
 - ``moe``: a mixture-of-experts layer in one process (chapter 12);
 - ``planner/``: the capstone, measure, predict and search a configuration for a memory budget (chapter 13);
-- ``workers/``: the ``torchrun`` entry points that the distributed chapters start, and the typed results they
-  report.
+- ``experiments/``: not taught, and not needed to learn a chapter: the harness that launches ranks, times them,
+  checks each parallel method against one process, and the ``torchrun`` entry points (chapters 07-13).
 
 ``tools/`` is not taught: it runs the course (``course run``), records and reports the claims, draws the plots,
 runs the benchmarks, builds the site and grades the exercises.

@@ -106,7 +106,7 @@ def average_gradients(per_rank):
         raise ValueError("ranks differ")
     return list(per_rank[0])          # no average at all''',
         "q2_assign_buckets": '''
-from course_lib.distributed import ddp
+from course_lib.parallel.data_parallel import ddp
 
 def assign_buckets(sizes, cap_bytes):
     return ddp.assign_buckets(sizes, cap_bytes)''',

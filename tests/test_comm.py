@@ -11,15 +11,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.distributed import comm, launch
-from course_lib.workers.selftest import CommChecks
+from course_lib.parallel import collectives as comm
+from course_lib.experiments import launch
+from course_lib.experiments.workers.selftest import CommChecks
 
 WORLD = 3  # not 2: 2(N-1)/N = 4/3 here, so a formula that ignores N would show
 
 
 @pytest.fixture(scope="module")
 def checks() -> CommChecks:
-    return CommChecks.from_dict(launch.run("course_lib.workers.selftest", WORLD, ["--mode", "comm"], timeout=120))
+    return CommChecks.from_dict(launch.run("course_lib.experiments.workers.selftest", WORLD, ["--mode", "comm"], timeout=120))
 
 
 def test_ring_all_reduce_equals_torch(checks):
@@ -166,7 +167,7 @@ def test_handed_bytes_records_what_torch_distributed_receives(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (one per rank, NCCL)")
 def test_ring_and_wrappers_on_nccl():
-    c = CommChecks.from_dict(launch.run("course_lib.workers.selftest", 2, ["--mode", "comm"], timeout=300,
+    c = CommChecks.from_dict(launch.run("course_lib.experiments.workers.selftest", 2, ["--mode", "comm"], timeout=300,
                                         env={"COURSE_DIST_BACKEND": "nccl"}))
     assert c.device.startswith("cuda")
     for r in c.ring.values():  # N = 2: both messages of a step go to the same peer, the case NCCL needs batched

@@ -18,10 +18,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from course_lib.distributed import context_parallel as cp
-from course_lib.distributed import launch
-from course_lib.distributed.experiment import RunConfig
-from course_lib.workers.cp_compare import CPReport
+from course_lib.parallel.context_parallel import ring_attention as cp
+from course_lib.experiments import launch
+from course_lib.experiments.run_config import RunConfig
+from course_lib.experiments.workers.cp_compare import CPReport
 
 CFG = RunConfig(vocab=40, d_model=32, n_heads=4, n_layers=2, seq_len=16, batch=2, steps=5)
 
@@ -327,7 +327,7 @@ def test_a_timed_ring_times_every_step() -> None:
 
 @pytest.fixture(scope="module", params=[2, 4])
 def rep(request) -> CPReport:
-    out = launch.run("course_lib.workers.cp_compare", request.param,
+    out = launch.run("course_lib.experiments.workers.cp_compare", request.param,
                      ["--tasks", "exact,saved,train,api,overlap", "--cfg", CFG.to_json(), "--pg-timeout", "120"], timeout=300)
     return CPReport.from_dict(out)
 
@@ -406,7 +406,7 @@ def test_torch_context_parallel_on_gloo_says_why_not(rep: CPReport) -> None:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (one rank per GPU, NCCL)")
 def test_torch_context_parallel_on_nccl() -> None:
     cfg = RunConfig(vocab=40, d_model=64, n_heads=4, n_layers=2, seq_len=64, batch=2)
-    out = CPReport.from_dict(launch.run("course_lib.workers.cp_compare", 2, ["--tasks", "api", "--cfg", cfg.to_json()],
+    out = CPReport.from_dict(launch.run("course_lib.experiments.workers.cp_compare", 2, ["--tasks", "api", "--cfg", cfg.to_json()],
                                         timeout=300, env={"COURSE_DIST_BACKEND": "nccl"}))
     assert out.api["ran"], out.api
     assert out.api["loss_diff"] < 1e-4 and out.api["grad_diff"] < 1e-3
@@ -416,12 +416,12 @@ def test_torch_context_parallel_on_nccl() -> None:
 def test_worker_refuses_a_bad_sequence_length() -> None:
     bad = RunConfig(vocab=40, d_model=16, n_heads=2, n_layers=1, seq_len=6, batch=2)
     with pytest.raises(RuntimeError, match="not divisible by 2c = 4"):
-        launch.run("course_lib.workers.cp_compare", 2, ["--tasks", "exact", "--cfg", bad.to_json()], timeout=120)
+        launch.run("course_lib.experiments.workers.cp_compare", 2, ["--tasks", "exact", "--cfg", bad.to_json()], timeout=120)
 
 
 def test_worker_refuses_data_parallel_groups_that_do_not_divide(monkeypatch) -> None:
     # checked from the launch's WORLD_SIZE before the process group starts: no rank waits for another
-    from course_lib.workers import cp_compare
+    from course_lib.experiments.workers import cp_compare
 
     cfg = RunConfig(vocab=40, d_model=16, n_heads=2, n_layers=1, seq_len=8, batch=2)
     monkeypatch.setenv("WORLD_SIZE", "2")

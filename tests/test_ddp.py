@@ -6,13 +6,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.distributed import launch
-from course_lib.distributed.clock import CpuClock, slowest_rank_s
-from course_lib.distributed.ddp import BucketedDDP, NaiveDDP, assign_buckets
-from course_lib.distributed.ddp_checks import labelled
-from course_lib.distributed.ddp_dynamic import DynamicBucketedDDP
+from course_lib.experiments import launch
+from course_lib.experiments.clock import CpuClock, slowest_rank_s
+from course_lib.parallel.data_parallel.ddp import BucketedDDP, NaiveDDP, assign_buckets
+from course_lib.experiments.ddp_checks import labelled
+from course_lib.parallel.data_parallel.ddp_dynamic import DynamicBucketedDDP
 from course_lib.models import MLP
-from course_lib.workers.ddp_compare import SUPPORTED, CompareResult
+from course_lib.experiments.workers.ddp_compare import SUPPORTED, CompareResult
 
 TOL = 1e-5
 WORLD = 2
@@ -23,7 +23,7 @@ TIMING_IN, TIMING_HIDDEN = 128, (128, 128)
 def result() -> CompareResult:
     # one launch for every check: starting ranks is the slow part on a small machine
     return CompareResult.from_dict(launch.run(
-        "course_lib.workers.ddp_compare", WORLD,
+        "course_lib.experiments.workers.ddp_compare", WORLD,
         ["--steps", "4", "--timing-rounds", "1", "--timing-steps", "2", "--timing-in", str(TIMING_IN),
          "--timing-hidden", *map(str, TIMING_HIDDEN), "--bn"], timeout=240))
 

@@ -22,12 +22,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.distributed import launch
-from course_lib.distributed.expert_parallel import (ExpertParallelMoE, bytes_per_layer, dispatch_buffer_bytes,
+from course_lib.experiments import launch
+from course_lib.parallel.expert_parallel.moe_layer import (ExpertParallelMoE, bytes_per_layer, dispatch_buffer_bytes,
                                                     expert_dp_groups, experts_per_rank, params_per_rank)
-from course_lib.distributed.comm import ByteCounter
+from course_lib.parallel.collectives import ByteCounter
 from course_lib.moe import MoEMLP, expert_capacity, expert_counts, load_balancing_loss, no_drop_factor
-from course_lib.workers.ep_compare import EPReport
+from course_lib.experiments.workers.ep_compare import EPReport
 
 EXPERTS, D, H, TOKENS = 8, 8, 16, 16
 ARGS = ["--experts", str(EXPERTS), "--d-model", str(D), "--hidden", str(H), "--tokens", str(TOKENS),
@@ -76,7 +76,7 @@ def _check_run(r, report: EPReport) -> None:
 
 @pytest.mark.slow
 def test_two_ranks_equal_one_process() -> None:
-    out = launch.run("course_lib.workers.ep_compare", 2, ARGS + ["--drop-factor", "1.0", "--api"], timeout=240)
+    out = launch.run("course_lib.experiments.workers.ep_compare", 2, ARGS + ["--drop-factor", "1.0", "--api"], timeout=240)
     rep = EPReport.from_dict(out)
     for k in (1, 2):
         _check_run(rep.run(2, 1, k), rep)
@@ -94,7 +94,7 @@ def test_two_ranks_equal_one_process() -> None:
 
 @pytest.mark.slow
 def test_four_ranks_expert_and_data_parallel() -> None:
-    out = launch.run("course_lib.workers.ep_compare", 4, ARGS + ["--layouts", "4x1,2x2"], timeout=300)
+    out = launch.run("course_lib.experiments.workers.ep_compare", 4, ARGS + ["--layouts", "4x1,2x2"], timeout=300)
     rep = EPReport.from_dict(out)
     for ep, dp in ((4, 1), (2, 2)):
         for k in (1, 2):
@@ -104,7 +104,7 @@ def test_four_ranks_expert_and_data_parallel() -> None:
 @pytest.mark.slow
 def test_world_that_does_not_divide_the_experts_fails_clearly() -> None:
     with pytest.raises(RuntimeError, match="cannot share 3 experts"):
-        launch.run("course_lib.workers.ep_compare", 2, ["--experts", "3", "--tokens", "8", "--pg-timeout", "30"],
+        launch.run("course_lib.experiments.workers.ep_compare", 2, ["--experts", "3", "--tokens", "8", "--pg-timeout", "30"],
                    timeout=120)
 
 

@@ -53,8 +53,8 @@ from torch._subclasses.fake_tensor import (FakeTensor, FakeTensorDeviceMismatchE
                                             unset_fake_temporarily)
 
 from course_lib import checkpointing, chunked_loss, fp8_linear, models, moe, norms, offload, planner
-from course_lib.distributed import context_parallel as cp
-from course_lib.distributed import tensor_parallel as tp
+from course_lib.parallel.context_parallel import ring_attention as cp
+from course_lib.parallel.tensor_parallel import layers as tp
 
 CUDA = torch.device("cuda", 0)
 ROOT = Path(__file__).resolve().parent.parent

@@ -223,8 +223,8 @@ def test_solutions_run_top_to_bottom_as_nbgrader_runs_them(tmp_path):
 def test_every_test_cell_says_what_its_answer_must_not_call():
     """The questions with a one-call answer in course_lib name it, and the instructions say so."""
     named = {f for path in SOLUTIONS for q in load_exercise(path.stem).questions for f in q.forbid}
-    for reference in ("course_lib.memory.zero_memory", "course_lib.distributed.ddp.assign_buckets",
-                      "course_lib.distributed.zero.shard_bounds", "torch.nn.functional.group_norm"):
+    for reference in ("course_lib.memory.zero_memory", "course_lib.parallel.data_parallel.ddp.assign_buckets",
+                      "course_lib.parallel.sharding.zero.shard_bounds", "torch.nn.functional.group_norm"):
         assert reference in named, f"no question forbids {reference}"
     for path in SOLUTIONS:
         text = path.read_text()
@@ -603,7 +603,7 @@ def test_check_types_names_the_first_part_of_the_wrong_type():
 
 def test_a_schedule_written_with_lists_is_told_its_type():
     """Exercise 08's first question: a right order of ["F", 0] lists fails on the type, not as a wrong order."""
-    from course_lib.distributed.pipeline import make_schedule
+    from course_lib.parallel.pipeline.schedules import make_schedule
     from course_lib.tools.grading.checker import Checker
 
     checker = Checker(load_exercise("08_pipeline_parallel"), hidden=False)

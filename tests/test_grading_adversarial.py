@@ -129,7 +129,7 @@ def test_an_answer_that_is_one_call_into_the_library_is_rejected(graded):
     rows = graded["rows"]
     assert rows["always_equal"]["q3_zero_bytes_per_device_test_reason"].startswith("rejected: ")
     assert "course_lib.memory.zero_memory" in rows["always_equal"]["q3_zero_bytes_per_device_test_reason"]
-    assert "course_lib.distributed.ddp.assign_buckets" in rows["patched_torch"]["q2_assign_buckets_test_reason"]
+    assert "course_lib.parallel.data_parallel.ddp.assign_buckets" in rows["patched_torch"]["q2_assign_buckets_test_reason"]
 
 
 def test_the_honest_part_of_an_attack_still_scores(graded):

@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.distributed import launch
-from course_lib.distributed.results import WorkerResult
-from course_lib.workers.selftest import OkResult
+from course_lib.experiments import launch
+from course_lib.experiments.results import WorkerResult
+from course_lib.experiments.workers.selftest import OkResult
 
-WORKER = "course_lib.workers.selftest"
+WORKER = "course_lib.experiments.workers.selftest"
 TIMEOUT = 120  # generous: the machine running the tests may be busy, but never unbounded
 
 
@@ -98,7 +98,7 @@ def test_bad_arguments_are_clear_errors():
     with pytest.raises(ValueError, match="nproc"):
         launch.run(WORKER, 0)
     with pytest.raises(ValueError, match="no module named"):
-        launch.run("course_lib.workers.does_not_exist", 2)
+        launch.run("course_lib.experiments.workers.does_not_exist", 2)
     with pytest.raises(ValueError, match="no module named"):
         launch.run("no_such_package.worker", 2)
     with pytest.raises(RuntimeError, match="torchrun"):

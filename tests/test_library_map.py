@@ -1,7 +1,7 @@
 """The docstring of each teaching package of ``course_lib`` is its map: it names every module in the package.
 
 A reader opens ``course_lib/__init__.py`` first to find which module a chapter uses; a module added without a
-line there is a room with no door. (``tools`` runs the course and ``workers`` are entry points: not maps.)
+line there is a room with no door. (``tools`` runs the course and ``experiments/workers`` are entry points: not maps.)
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 LIB = Path(__file__).resolve().parent.parent / "course_lib"
-MAPS = ("", "distributed", "planner")  # relative to course_lib
+MAPS = ("", "parallel", "parallel/data_parallel", "parallel/pipeline", "parallel/sharding", "parallel/tensor_parallel",
+        "parallel/context_parallel", "parallel/expert_parallel", "experiments", "planner")  # relative to course_lib
 
 
 def unnamed_modules(folder: Path) -> list[str]:

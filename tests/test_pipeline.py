@@ -11,15 +11,15 @@ import pytest
 import torch
 from torch import nn
 
-from course_lib.distributed.clock import CpuClock, CudaClock, clock_for
+from course_lib.experiments.clock import CpuClock, CudaClock, clock_for
 from course_lib.tools import plots
-from course_lib.distributed.pipedream import WeightStash, async_order, stash_formula, versions
-from course_lib.distributed.pipeline import (KINDS, OpTiming, bubble_formula, check_schedule, inflight_counts,
+from course_lib.parallel.pipeline.pipedream import WeightStash, async_order, stash_formula, versions
+from course_lib.parallel.pipeline.schedules import (KINDS, OpTiming, bubble_formula, check_schedule, inflight_counts,
                                              interleaved_order, make_schedule, one_f_one_b_order, simulate,
                                              zb_h1_bubble_formula)
-from course_lib.distributed.pipeline_exec import (boundary_shapes, message_batches, op_links, peak_sends_held,
+from course_lib.parallel.pipeline.executor import (boundary_shapes, message_batches, op_links, peak_sends_held,
                                                   run_stage, send_releases, split_sequential)
-from course_lib.distributed.pipeline_model import add_model_args, my_chunks, op_pads, staged
+from course_lib.experiments.pipeline_model import add_model_args, my_chunks, op_pads, staged
 from course_lib.models import lm_loss
 
 GRID = [(p, m) for p in (1, 2, 3, 4, 5, 8) for m in (1, 2, 3, 4, 7, 8, 16, 33)]
@@ -295,7 +295,7 @@ def _stage_and_input(s: int, p: int = 3):
 @pytest.mark.parametrize("s", [0, 1, 2])
 def test_split_backward_runs_each_op_of_one_backward_once(s):
     """B + W run exactly the ATen ops of one backward(): nothing computed twice, no weight product in B."""
-    from course_lib.distributed.pipeline_split import (OpCounter, backward_input, backward_weight,
+    from course_lib.parallel.pipeline.split_backward import (OpCounter, backward_input, backward_weight,
                                                        recording_activations)
     stage, twin, h = _stage_and_input(s)
     x = h if s == 0 else h.clone().requires_grad_()
@@ -353,7 +353,7 @@ def test_split_backward_in_the_executor_counts_and_grads():
 
 
 def test_split_backward_refuses_a_weight_used_twice():
-    from course_lib.distributed.pipeline_split import backward_input, recording_activations
+    from course_lib.parallel.pipeline.split_backward import backward_input, recording_activations
     layer = nn.Linear(4, 4)
     stage = nn.Sequential(layer, nn.Tanh(), layer)                       # the same weight in two ops
     x = torch.randn(2, 4, requires_grad=True)
@@ -547,12 +547,12 @@ def test_one_message_per_call_deadlocks_1f1b_on_nccl():
 @pytest.mark.slow
 @pytest.mark.alone
 def test_real_pipeline_matches_sequential_and_formula():
-    from course_lib.distributed import launch
-    from course_lib.workers.pipeline_run import PipelineResult
+    from course_lib.experiments import launch
+    from course_lib.experiments.workers.pipeline_run import PipelineResult
 
     p, m = 3, 6
     result = PipelineResult.from_dict(launch.run(
-        "course_lib.workers.pipeline_run", nproc=p, timeout=300, env={"COURSE_DIST_BACKEND": "gloo"},
+        "course_lib.experiments.workers.pipeline_run", nproc=p, timeout=300, env={"COURSE_DIST_BACKEND": "gloo"},
         args=["--api", "both", "--schedules", "gpipe,1f1b,zb-h1,interleaved", "--microbatches", str(m),
               "--t-forward-ms", "50", "--t-backward-ms", "100", "--repeats", "2", "--unpadded", "1f1b,zb-h1"]))
     assert result.world == p and result.backend == "gloo" and result.clock == "perf_counter"
@@ -598,12 +598,12 @@ def test_real_pipeline_matches_sequential_and_formula():
 @pytest.mark.slow
 @pytest.mark.alone
 def test_real_pipedream_stashes_p_minus_s_versions_and_removes_the_flush():
-    from course_lib.distributed import launch
-    from course_lib.workers.pipedream_run import PipeDreamResult
+    from course_lib.experiments import launch
+    from course_lib.experiments.workers.pipedream_run import PipeDreamResult
 
     p, n, m = 3, 12, 6
     result = PipeDreamResult.from_dict(launch.run(
-        "course_lib.workers.pipedream_run", nproc=p, timeout=300, env={"COURSE_DIST_BACKEND": "gloo"},
+        "course_lib.experiments.workers.pipedream_run", nproc=p, timeout=300, env={"COURSE_DIST_BACKEND": "gloo"},
         args=["--microbatches", str(n), "--flush-m", str(m), "--seeds", "0", "--t-forward-ms", "50",
               "--t-backward-ms", "100", "--repeats", "3"]))   # the fastest of 3: its bubble error is the largest here
     run = result.seeds[0]
@@ -742,12 +742,12 @@ def test_cuda_clock_pads_on_the_gpu(pad_ms):
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (one stage per GPU, NCCL)")
 def test_real_pipeline_on_nccl_matches_and_times_with_cuda_events():
-    from course_lib.distributed import launch
-    from course_lib.workers.pipeline_run import PipelineResult
+    from course_lib.experiments import launch
+    from course_lib.experiments.workers.pipeline_run import PipelineResult
 
     p, m = 2, 8
     result = PipelineResult.from_dict(launch.run(
-        "course_lib.workers.pipeline_run", nproc=p, timeout=300, env={"COURSE_DIST_BACKEND": "nccl"},
+        "course_lib.experiments.workers.pipeline_run", nproc=p, timeout=300, env={"COURSE_DIST_BACKEND": "nccl"},
         args=["--api", "handmade", "--schedules", "gpipe,1f1b", "--microbatches", str(m),
               "--t-forward-ms", "20", "--t-backward-ms", "40"]))
     assert result.clock == "cuda events"

@@ -1,4 +1,4 @@
-"""Freeze training on a pipeline (course_lib/distributed/pipeline_freeze.py, chapter 08)."""
+"""Freeze training on a pipeline (course_lib/parallel/pipeline/freeze.py, chapter 08)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from course_lib.distributed.pipeline import check_schedule, frozen_prefix, inflight_counts, make_schedule, simulate
-from course_lib.distributed.pipeline_exec import op_links, peak_sends_held, send_releases
-from course_lib.distributed.pipeline_freeze import (ActivationCache, freeze, frozen_schedule, progressive_freeze,
+from course_lib.parallel.pipeline.schedules import check_schedule, frozen_prefix, inflight_counts, make_schedule, simulate
+from course_lib.parallel.pipeline.executor import op_links, peak_sends_held, send_releases
+from course_lib.parallel.pipeline.freeze import (ActivationCache, freeze, frozen_schedule, progressive_freeze,
                                                     repack, simulate_repacked)
 from course_lib.models import TinyTransformer, lm_loss
 
@@ -149,12 +149,12 @@ def test_training_on_cached_prefix_outputs_equals_the_frozen_model():
 @pytest.mark.slow
 @pytest.mark.alone
 def test_real_frozen_and_repacked_pipelines_match_the_sequential_model():
-    from course_lib.distributed import launch
-    from course_lib.workers.pipeline_freeze_run import FreezeRun
+    from course_lib.experiments import launch
+    from course_lib.experiments.workers.pipeline_freeze_run import FreezeRun
 
     p, m = 2, 4
     r = FreezeRun.from_dict(launch.run(
-        "course_lib.workers.pipeline_freeze_run", nproc=p, timeout=300, env={"COURSE_DIST_BACKEND": "gloo"},
+        "course_lib.experiments.workers.pipeline_freeze_run", nproc=p, timeout=300, env={"COURSE_DIST_BACKEND": "gloo"},
         args=["--frozen-stages", "1", "--microbatches", str(m), "--t-forward-ms", "30", "--t-backward-ms", "60",
               "--repeats", "2"]))
     assert r.grad_max_abs_diff < 1e-5 and r.frozen_grads_none

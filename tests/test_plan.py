@@ -12,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from course_lib import env, kernels, memory, offload, planner
 from course_lib.data import make_tokens
-from course_lib.distributed.tensor_parallel import TPBlock, TPGroup
+from course_lib.parallel.tensor_parallel.layers import TPBlock, TPGroup
 from course_lib.fp8_linear import to_fp8_linears
 from course_lib.models import MLP, CausalSelfAttention, ResNet, TinyTransformer, lm_loss
 from course_lib.norms import MABN2d, make_norm
@@ -534,7 +534,7 @@ def test_expert_parallel_layouts():
 
 
 def test_pipeline_terms_are_chapter_07s_schedules():
-    from course_lib.distributed.pipeline import bubble_formula, make_schedule, simulate
+    from course_lib.parallel.pipeline.schedules import bubble_formula, make_schedule, simulate
 
     for p, a in ((2, 4), (4, 8), (4, 16)):
         plain = planner.Config("fp32", 1, a, 1, 0, pp=p)

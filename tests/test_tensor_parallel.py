@@ -15,12 +15,14 @@ import torch
 import torch.distributed as dist
 
 from course_lib import memory
-from course_lib.distributed import comm, launch, tp_costs
-from course_lib.distributed.experiment import RunConfig, build_model
-from course_lib.distributed.tensor_parallel import (ColumnParallelLinear, HeadMajorAttention, TPBlock, TPGroup,
+from course_lib.parallel import collectives as comm
+from course_lib.experiments import launch
+from course_lib.parallel.tensor_parallel import costs as tp_costs
+from course_lib.experiments.run_config import RunConfig, build_model
+from course_lib.parallel.tensor_parallel.layers import (ColumnParallelLinear, HeadMajorAttention, TPBlock, TPGroup,
                                                     head_major_order, sync_replicated_grads)
-from course_lib.distributed.tp_api import saved_bytes_in
-from course_lib.workers.tp_compare import TPReport
+from course_lib.parallel.tensor_parallel.torch_api import saved_bytes_in
+from course_lib.experiments.workers.tp_compare import TPReport
 
 CFG = RunConfig(vocab=40, d_model=48, n_heads=4, n_layers=2, seq_len=8, batch=4, steps=2)
 WORLD = 4
@@ -166,7 +168,7 @@ def test_dtensor_meter_agrees_with_the_plain_one() -> None:
 
 @pytest.fixture(scope="module")
 def rep() -> TPReport:
-    out = launch.run("course_lib.workers.tp_compare", WORLD,
+    out = launch.run("course_lib.experiments.workers.tp_compare", WORLD,
                      ["--tasks", "ops,byhand,api,mesh", "--cfg", CFG.to_json(), "--layouts", "2x2,1x4"],
                      timeout=240)
     return TPReport.from_dict(out)

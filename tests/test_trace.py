@@ -7,7 +7,7 @@ import torch
 from torch.profiler import record_function
 
 from course_lib import memory, memory_profile, trace
-from course_lib.distributed import launch
+from course_lib.experiments import launch
 from course_lib.models import TinyTransformer, lm_loss
 
 
@@ -45,7 +45,7 @@ def test_read_step_pairs_gloo_runs_with_the_calls_that_queued_them(tmp_path):
 
 def test_ddp_traces_on_two_ranks(tmp_path):
     """NaiveDDP sends after the backward, BucketedDDP from inside it: read from the ranks' own trace files."""
-    out = launch.run("course_lib.workers.step_trace", 2, ["--what", "ddp", "--out", str(tmp_path)], timeout=120,
+    out = launch.run("course_lib.experiments.workers.step_trace", 2, ["--what", "ddp", "--out", str(tmp_path)], timeout=120,
                      env={"COURSE_DIST_BACKEND": "gloo"})
     assert out["files"] == ["naive_rank0.json", "bucketed_rank0.json"]
     steps = {v: [trace.read_step(tmp_path / f"{v}_rank{r}.json", r) for r in range(2)] for v in ("naive", "bucketed")}

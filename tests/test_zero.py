@@ -17,12 +17,12 @@ import torch
 import torch.distributed as dist
 
 from course_lib import memory
-from course_lib.distributed import zero
-from course_lib.distributed.experiment import RunConfig, build_model, global_batch
-from course_lib.distributed.zero import (ZeroOptimizer, bucket_sizes, count_fsdp_traffic, held_bytes, shard_bounds,
+from course_lib.parallel.sharding import zero
+from course_lib.experiments.run_config import RunConfig, build_model, global_batch
+from course_lib.parallel.sharding.zero import (ZeroOptimizer, bucket_sizes, count_fsdp_traffic, held_bytes, shard_bounds,
                                          zero_bytes_per_rank)
 from course_lib.models import lm_loss
-from course_lib.workers.zero_common import run_workers
+from course_lib.experiments.workers.zero_common import run_workers
 
 
 @pytest.mark.parametrize("numel", [0, 1, 7, 12, 30145])
@@ -145,7 +145,7 @@ def test_stage2_accumulates_slices_and_reduces_unused_parameters(one_rank_group)
 
 def test_meters_reject_plain_models(one_rank_group) -> None:
     model = build_model(RunConfig(d_model=16, n_layers=1, seq_len=8))
-    from course_lib.distributed import comm
+    from course_lib.parallel import collectives as comm
     with pytest.raises(ValueError, match="fully_shard"):
         count_fsdp_traffic(model, comm.ByteCounter())
     opt = torch.optim.Adam(model.parameters())
@@ -297,8 +297,8 @@ def test_flags_travel_on_the_host_through_gloo(one_rank_group, monkeypatch, main
 
 
 def test_fsdp2_steps_on_one_rank_are_adam_and_held_bytes_are_counted_by_device(one_rank_group) -> None:
-    from course_lib.distributed.dp_methods import fsdp2_adam, train_steps
-    from course_lib.distributed.experiment import reference
+    from course_lib.experiments.dp_methods import fsdp2_adam, train_steps
+    from course_lib.experiments.run_config import reference
 
     cfg = RunConfig(d_model=16, n_layers=1, seq_len=8, batch=4, steps=3)
     model, opt = fsdp2_adam(cfg, torch.device("cpu"))

@@ -1,6 +1,6 @@
 """ZeroOptimizer when the ranks disagree: a skipped backward, an error on one rank, clipping (chapter 09).
 
-One launch on 2 gloo ranks (``course_lib.workers.zero_faults``) with a short
+One launch on 2 gloo ranks (``course_lib.experiments.workers.zero_faults``) with a short
 process-group timeout: a rank left waiting in a collective turns into a failed
 launch within seconds, not a hang.
 """
@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from course_lib.distributed import launch
-from course_lib.workers.zero_faults import FaultChecks
+from course_lib.experiments import launch
+from course_lib.experiments.workers.zero_faults import FaultChecks
 
 
 @pytest.fixture(scope="module")
 def checks() -> FaultChecks:
-    return FaultChecks.from_dict(launch.run("course_lib.workers.zero_faults", 2, ["--pg-timeout", "30"], timeout=150))
+    return FaultChecks.from_dict(launch.run("course_lib.experiments.workers.zero_faults", 2, ["--pg-timeout", "30"], timeout=150))
 
 
 def test_a_rank_that_skips_its_backward_leaves_no_one_waiting(checks):

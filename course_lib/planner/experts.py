@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from course_lib.distributed.comm import ring_factor
+from course_lib.parallel.collectives import ring_factor
 
 STATE_BYTES = 16  # fp32 weights, gradients and Adam's two moments, per parameter
 
@@ -47,7 +47,7 @@ class ExpertLayout:
 def predict_experts(d_model: int, d_hidden: int, n_experts: int, tokens_per_rank: int, k: int, ep: int, world: int,
                     capacity_factor: float | None = None, elem_bytes: int = 4) -> ExpertLayout:
     """One rank's bytes on ``ep`` expert-parallel x ``world / ep`` data-parallel ranks (chapter 12's formulas)."""
-    from course_lib.distributed import expert_parallel  # chapter 12's module; imported here, where it is used
+    from course_lib.parallel.expert_parallel import moe_layer as expert_parallel  # chapter 12's module; imported here, where it is used
 
     if world % ep:
         raise ValueError(f"expert-parallel size {ep} does not divide the {world} ranks")

@@ -21,8 +21,9 @@ import math
 
 from course_lib import chunked_loss, offload
 from course_lib.checkpointing import recomputed_blocks, segment_plan
-from course_lib.distributed import context_parallel, tp_costs
-from course_lib.distributed.zero import MAX_IN_FLIGHT, zero_bytes_per_rank
+from course_lib.parallel.context_parallel import ring_attention as context_parallel
+from course_lib.parallel.tensor_parallel import costs as tp_costs
+from course_lib.parallel.sharding.zero import MAX_IN_FLIGHT, zero_bytes_per_rank
 from course_lib.planner.config import Config
 from course_lib.planner.measure import Measurements
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from course_lib import env, kernels, memory
-from course_lib.distributed.zero import DEFAULT_BUCKET_MB
+from course_lib.parallel.sharding.zero import DEFAULT_BUCKET_MB
 from course_lib.models import CausalSelfAttention
 from course_lib.planner.config import Config
 from course_lib.planner.measure import (BatchFn, Measurements, calibrate, default_batch, lm_head, tp_sizes,

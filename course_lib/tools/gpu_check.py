@@ -207,7 +207,7 @@ def one_rank_group(device: torch.device) -> Iterator[None]:
     """A process group of this process alone (NCCL for CUDA tensors, gloo for CPU ones), for the TP block."""
     import torch.distributed as dist
 
-    from course_lib.distributed import launch
+    from course_lib.experiments import launch
 
     if dist.is_initialized():
         yield
@@ -226,7 +226,7 @@ def one_rank_group(device: torch.device) -> Iterator[None]:
 
 def check_tp_block(device: torch.device) -> Measured:
     """A tensor-parallel block (plain, and sequence parallel with regather) on a one-rank group, under bf16."""
-    from course_lib.distributed import tensor_parallel as tp
+    from course_lib.parallel.tensor_parallel import layers as tp
     from course_lib.models import TransformerBlock
 
     x = torch.randn(4, 128, 128, device=device)
@@ -240,7 +240,7 @@ def check_tp_block(device: torch.device) -> Measured:
 
 def check_ring_attention(device: torch.device) -> Measured:
     """Ring attention in one process against torch's attention, in bf16; a model's forward and backward over it."""
-    from course_lib.distributed import context_parallel as cp
+    from course_lib.parallel.context_parallel import ring_attention as cp
     from course_lib.models import lm_loss
 
     q, k, v = (torch.randn(2, 4, 256, 32, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
@@ -279,15 +279,16 @@ def _worker_env() -> dict[str, str]:
 
 def check_zero_fsdp(device: torch.device) -> Measured:
     """DDP, ZeRO-1/2 by hand, FSDP2 (fp32 and bf16) on one rank per GPU: chapter 09's worker, a short run."""
-    from course_lib.distributed import launch, zero
-    from course_lib.distributed.experiment import RunConfig
-    from course_lib.workers.zero_common import WorkerResult
+    from course_lib.experiments import launch
+    from course_lib.parallel.sharding import zero
+    from course_lib.experiments.run_config import RunConfig
+    from course_lib.experiments.workers.zero_common import WorkerResult
 
     world = max(_gpus(), 1)
     cfg = RunConfig(d_model=128, n_layers=2, seq_len=64, batch=8 * world, steps=3)
     methods = ["ddp", "zero1", "zero2", "fsdp2", "fsdp2_bf16"]
     out = WorkerResult.from_dict(launch.run(
-        "course_lib.workers.zero_compare", world, ["--tasks", "compare", "--cfg", cfg.to_json(), "--methods",
+        "course_lib.experiments.workers.zero_compare", world, ["--tasks", "compare", "--cfg", cfg.to_json(), "--methods",
                                                    ",".join(methods)], timeout=LAUNCH_TIMEOUT_S, env=_worker_env()))
     stages = {"ddp": 0, "zero1": 1, "zero2": 2, "fsdp2": 3}
     ratios = []
@@ -301,10 +302,10 @@ def check_zero_fsdp(device: torch.device) -> Measured:
 
 def check_ddp(device: torch.device) -> Measured:
     """Chapter 07's data-parallel wrappers (by hand, bucketed, torch's DDP) against one process, one rank per GPU."""
-    from course_lib.distributed import launch
+    from course_lib.experiments import launch
 
     world = max(_gpus(), 1)
-    out = launch.run("course_lib.workers.ddp_compare", world, ["--timing-rounds", "0", "--bn"],
+    out = launch.run("course_lib.experiments.workers.ddp_compare", world, ["--timing-rounds", "0", "--bn"],
                      timeout=LAUNCH_TIMEOUT_S, env=_worker_env())
     # the bucketed wrapper differs in some scenarios on purpose (chapter 07's point); torch's DDP never should
     diff = max(wrappers["torch"]["param_diff"] for wrappers in out["equal"].values())
@@ -313,12 +314,12 @@ def check_ddp(device: torch.device) -> Measured:
 
 def check_fsdp_offload(device: torch.device) -> Measured:
     """Chapter 11's FSDP2 with and without CPUOffloadPolicy (pinned host memory), on up to two GPUs."""
-    from course_lib.distributed import launch
-    from course_lib.distributed.experiment import RunConfig
+    from course_lib.experiments import launch
+    from course_lib.experiments.run_config import RunConfig
 
     world = min(max(_gpus(), 1), 2)
     cfg = RunConfig(d_model=256, n_layers=2, seq_len=64, batch=4 * world, steps=2)
-    out = launch.run("course_lib.workers.fsdp_offload", world, ["--cfg", cfg.to_json(),
+    out = launch.run("course_lib.experiments.workers.fsdp_offload", world, ["--cfg", cfg.to_json(),
                                                                 "--pin-memory", str(int(device.type == "cuda"))],
                      timeout=LAUNCH_TIMEOUT_S, env=_worker_env())
     modes = out["modes"]

@@ -1,0 +1,15 @@
+"""The experiments that measure what ``course_lib.parallel`` teaches. You need not read this to learn a chapter.
+
+It launches ranks, times and pads their steps, gathers their results and checks each method against one
+process; the notebooks call it, and nothing in ``course_lib.parallel`` imports it.
+
+- ``launch``: run worker modules under torchrun from a notebook or a test; a worker's init, report, shutdown.
+- ``results``: the dataclasses workers report, rebuilt on the parent's side.
+- ``clock``: timing on the CPU or the GPU, with padding to a fixed duration.
+- ``run_config``: the run chapters 09-12 compare their methods on (sizes, model, batches, one-process reference).
+- ``dp_methods``: one step of DDP, ZeRO-1/2, ZeroRedundancyOptimizer or FSDP2, measured.
+- ``ddp_checks``, ``zero_checks``, ``tp_checks``, ``cp_checks``, ``ep_checks``: each method against one process.
+- ``pipeline_model``, ``pipeline_steps``: the model cut into stages, and one measured pipeline step.
+- ``step_traces``: one profiled step of DDP or ZeRO per rank.
+- ``workers/``: the entry points ``torchrun`` starts.
+"""

@@ -1,0 +1,244 @@
+"""Context parallelism checked against one process (chapter 12): ring attention and the model, both layouts; the
+activations a block saves; training; torch's ``context_parallel``; the ring's hops timed against its tiles.
+
+Every rank builds the same model and batch from the same seed (``experiment``) and
+runs the single-process reference itself (it is small), so each compares its own
+part. ``run_layout`` returns a ``LayoutResult``; the other runs return plain dicts
+of what they measured, per rank where a list (``results.gather_per_rank``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from course_lib import memory, timing
+from course_lib.parallel.context_parallel import ring_attention as cp
+from course_lib.experiments.dp_methods import Method, profile_or_time
+from course_lib.experiments.run_config import RunConfig, build_model, global_batch, local_batch, reference
+from course_lib.experiments.results import gather_per_rank, max_abs_diff
+from course_lib.parallel.sharding.zero import ZeroOptimizer, held_bytes
+from course_lib.models import TransformerBlock, lm_loss
+
+
+@dataclass
+class LayoutResult:
+    """One layout's checks; lists hold one entry per rank."""
+
+    layout: str
+    attn_out_diff: float         # float64, max |ring - one process| of the output
+    attn_grad_diff: float        # ... of dq, dk, dv
+    loss_diff: float             # float64 model: the loss
+    grad_diff: float             # ... every parameter's gradient, summed over ranks
+    pairs: list[int]             # query-key pairs each rank's forward computed (one attention)
+    scores: list[int]            # score elements each rank's forward computed (its tiles), per sequence and head
+    blocks: list[int]            # key/value blocks each rank computed (masked-out blocks skipped)
+    sent_forward: float          # bytes rank 0 sent per layer, float32 model
+    sent_backward: float
+    calls: dict[str, int]        # messages rank 0 sent per layer
+
+
+def _gathered(t: torch.Tensor, layout: str, dim: int) -> torch.Tensor:
+    return cp.unshard([p.cpu() for p in gather_per_rank(t.detach().cpu())], layout, dim)
+
+
+def _against_one_process(cfg: RunConfig, x: torch.Tensor, y: torch.Tensor, model: torch.nn.Module,
+                         loss: torch.Tensor) -> tuple[float, float]:
+    """This rank's loss share and gradients, summed over the ranks, against one process on the whole batch ``x, y``:
+    (loss difference, largest gradient difference)."""
+    one = build_model(cfg)
+    ref = lm_loss(one(x), y)
+    ref.backward()
+    cp.sum_grads(model)
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return abs(total.item() - ref.item()), max_abs_diff([p.grad for p in model.parameters()],
+                                                        [r.grad for r in one.parameters()])
+
+
+def run_layout(cfg: RunConfig, layout: str, device: torch.device) -> LayoutResult:
+    """In float64, ring attention of random ``q, k, v`` (output and gradients, every rank's part gathered) and the
+    model's loss and gradients against one process; the pairs and scores each rank computed; the bytes per layer."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    T, C, H = cfg.seq_len, cfg.d_model, cfg.n_heads
+    g = torch.Generator().manual_seed(cfg.seed)
+    q, k, v, grad_out = (torch.randn(cfg.batch, H, T, C // H, generator=g, dtype=torch.float64)  # host
+                         for _ in range(4))
+    ref_q, ref_k, ref_v = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(ref_q, ref_k, ref_v, is_causal=True)
+    ref.backward(grad_out)
+    ring = cp.Ring.of(T, layout)
+    local = [cp.shard(t, world, rank, layout, dim=2).to(device).requires_grad_() for t in (q, k, v)]
+    out = cp.ring_attention(*local, ring)
+    out.backward(cp.shard(grad_out, world, rank, layout, dim=2).to(device))
+    attn_out = max_abs_diff(_gathered(out, layout, 2), ref)
+    attn_grad = max_abs_diff([_gathered(t.grad, layout, 2) for t in local], [ref_q.grad, ref_k.grad, ref_v.grad])
+    mine = cp.positions(T, world, rank, layout)
+    blocks = sum(int(mine.max() >= cp.positions(T, world, j, layout).min()) for j in range(world))
+    # the whole model, float64
+    c64 = dataclasses.replace(cfg, dtype="float64")
+    x, y = global_batch(c64, 0)
+    model = build_model(c64, device)
+    loss = cp.cp_loss(model, x.to(device), y.to(device), cp.Ring.of(T, layout))
+    loss.backward()
+    loss_diff, grad_diff = _against_one_process(c64, x, y, model, loss)
+    # bytes per layer, float32
+    ring32 = cp.Ring.of(T, layout)
+    cp.cp_loss(build_model(cfg, device), x.to(device), y.to(device), ring32).backward()
+    sent = cp.sent_per_pass(ring32.counter)
+    per_layer = {op: n // cfg.n_layers for op, n in ring32.counter.calls.items()}
+    return LayoutResult(layout, attn_out, attn_grad, loss_diff, grad_diff, gather_per_rank(ring.pairs[0]),
+                        gather_per_rank(ring.scores[0]), gather_per_rank(blocks), sent["forward"] / cfg.n_layers,
+                        sent["backward"] / cfg.n_layers, per_layer)
+
+
+def run_saved(cfg: RunConfig, device: torch.device, dp: int = 1) -> dict[str, list[int]]:
+    """Bytes one block saves for the backward: on each rank of the ring (``cp``), and in one process (``one_process``:
+    the same code; ``naive``, ``fused``: the course's block). With ``dp`` data-parallel groups
+    (``cp.data_parallel_ring``), a group's ``batch / dp`` sequences around its ring."""
+    ring = cp.data_parallel_ring(cfg.seq_len, dp)
+    block = build_model(cfg, device).blocks[0]
+    params = list(block.parameters())
+    x = torch.randn(cfg.batch // dp, cfg.seq_len, cfg.d_model, device=device, requires_grad=True)
+    local = cp.shard(x.detach(), ring.world, ring.rank, "zigzag").requires_grad_()
+    # the block's input counts: in a model it is the previous block's output, kept for this block's backward
+    per_rank = memory.saved_activation_bytes(lambda: cp.block_forward(block, local, ring), exclude=params)
+    one = memory.saved_activation_bytes(lambda: cp.block_forward(block, x, cp.Ring(cfg.seq_len)), exclude=params)
+    naive = memory.saved_activation_bytes(lambda: block(x), exclude=params)
+    fused = TransformerBlock(cfg.d_model, cfg.n_heads, cfg.seq_len, fused=True).to(device)
+    fused.load_state_dict(block.state_dict())
+    fused_bytes = memory.saved_activation_bytes(lambda: fused(x), exclude=list(fused.parameters()))
+    return {"cp": gather_per_rank(per_rank), "one_process": [one], "naive": [naive], "fused": [fused_bytes]}
+
+
+def cp_method(cfg: RunConfig, device: torch.device, ring: cp.Ring, zero_stage: int = 0) -> Method:
+    """Adam on the whole model, its step the ring's (zigzag): a ``dp_methods.Method`` whose step returns this rank's
+    loss share (a tensor, summed over the ring by the caller).
+
+    Every rank keeps the whole model, so the gradients are summed over all the ranks: by an all-reduce
+    (``zero_stage`` 0), or by ``ZeroOptimizer`` (stages 1, 2: Adam's state, and at stage 2 the gradients, sharded
+    over all the ranks). ZeroOptimizer averages over its ranks, as DDP does, and a rank's loss is its share of a
+    sum: the backward runs on the share times the world, whose mean is the sum.
+    """
+    if zero_stage not in (0, 1, 2):
+        raise ValueError(f"the train task runs ZeRO stages 0-2, got {zero_stage}")
+    model = build_model(cfg, device)
+    if zero_stage:
+        zopt = ZeroOptimizer(model, torch.optim.Adam, zero_stage, bucket_cap_mb=cfg.bucket_mb, lr=cfg.lr)
+        zero_grad, update, held = zopt.zero_grad, zopt.step, zopt.state_bytes
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+        # zeroed, not freed: nothing allocated before the CPU profiler's window is freed inside it
+        zero_grad = functools.partial(opt.zero_grad, set_to_none=False)
+        held = functools.partial(held_bytes, model, opt)  # the states this rank holds, as chapter 01 counts them
+
+        def update() -> None:
+            cp.sum_grads(model)
+            opt.step()
+    scale = dist.get_world_size() if zero_stage else 1
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        zero_grad()
+        part = cp.cp_local_loss(model, x, y, ring, cfg.batch * cfg.seq_len)
+        (part * scale).backward()
+        update()
+        return part.detach()
+    return Method(model, zero_grad, step, held, ring.counter)
+
+
+PROFILED_STEPS = (1, 2, 3)  # run_train's peak: the lowest of these (gloo frees some buffers late, on its own thread)
+
+
+def run_train(cfg: RunConfig, device: torch.device, dp: int = 1, zero_stage: int = 0) -> dict:
+    """``cfg.steps`` Adam steps of the whole model with CP (``cp_method``) against one process: losses, seconds per
+    step, bytes sent per step, the peak and the states per rank.
+
+    The ranks form ``dp`` data-parallel groups of ``c = world / dp`` consecutive ranks; each group runs its rows of
+    the batch around its own ring. The peak is ``dp_methods.measure_step``'s on steps 1-3 (Adam's state exists from
+    step 1 on), the lowest kept. The profiler slows the steps it watches, so only the others are timed, from step 4 on
+    (step 0 pays for first-call allocations): ``seconds`` is empty below 5 steps.
+    """
+    ring = cp.data_parallel_ring(cfg.seq_len, dp)
+    ref_losses, _ = reference(cfg)  # one process, the whole batch: what the ring must equal
+    m = cp_method(cfg, device, ring, zero_stage)
+    losses, seconds, peaks = [], [], []
+    for step in range(cfg.steps):
+        x, y = local_batch(cfg, step, dist.get_rank() // ring.world, dp)  # this data-parallel group's rows
+        x, y = (cp.shard(t, ring.world, ring.rank, ring.layout).to(device) for t in (x, y))  # this rank's positions
+        part, mem, took = profile_or_time(m, x, y, device, profile=step in PROFILED_STEPS)
+        if mem is not None:
+            peaks.append(mem[1])
+        elif step > 0:
+            seconds.append(took)
+        dist.all_reduce(part)
+        losses.append(part.item())
+    return {"ref_losses": ref_losses, "losses": losses, "seconds": gather_per_rank(seconds),
+            "sent_per_step": ring.counter.bytes / cfg.steps, "peak": gather_per_rank(min(peaks, default=None)),
+            "held": gather_per_rank(m.held()), "dp": dp, "zero_stage": zero_stage, "device": device.type,
+            "batch_bytes": gather_per_rank(memory.tensor_bytes(x) + memory.tensor_bytes(y))}
+
+
+def run_api(cfg: RunConfig, device: torch.device) -> dict:
+    """torch's ``context_parallel`` on the model with fused attention: losses and gradients against one process,
+    or the error it raises."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    x, y = global_batch(cfg, 0)
+    model = build_model(cfg, device)
+    for blk in model.blocks:
+        blk.attn.fused = True  # F.scaled_dot_product_attention: what context_parallel replaces
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    idx, tgt = x.to(device), y.to(device)
+    pos = torch.arange(cfg.seq_len, device=device).expand_as(idx).contiguous()
+    try:
+        with context_parallel(mesh, buffers=[idx, tgt, pos], buffer_seq_dims=[1, 1, 1]):
+            h = model.embed.tok(idx) + model.embed.pos(pos)  # pos: this rank's global positions
+            logits = model.head(model.blocks(h))
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="sum") / y.numel()
+            loss.backward()
+    except Exception as exc:  # noqa: BLE001 - the point is to report what this torch does on this backend
+        return {"ran": False, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}", "backend": dist.get_backend()}
+    loss_diff, grad_diff = _against_one_process(cfg, x, y, model, loss)
+    return {"ran": True, "loss_diff": loss_diff, "grad_diff": grad_diff, "backend": dist.get_backend(),
+            "positions_rank0": pos[0].tolist()}
+
+
+def run_overlap(cfg: RunConfig, device: torch.device, repeats: int = 10) -> dict:
+    """Ring attention alone (float32, zigzag, ``batch x heads x T/c x d``), timed ``repeats`` times after one untimed
+    pass: per pass and rank, the seconds computing tiles and waiting for hops (``cp.HopTimes`` summed over the
+    steps), forward and backward; and a K, V hop and a dK, dV hop alone, sent and waited for with nothing to compute.
+    Lists: one per rank, one value per repeat (ten by default: their median steadies a busy machine's noise)."""
+    world = dist.get_world_size()
+    T, C, H = cfg.seq_len, cfg.d_model, cfg.n_heads
+    g = torch.Generator().manual_seed(cfg.seed + dist.get_rank())
+    q, k, v, grad = (torch.randn(cfg.batch, H, T // world, C // H, generator=g).to(device) for _ in range(4))
+    ring = cp.Ring.of(T)
+
+    def one_pass() -> None:
+        mine = [t.clone().requires_grad_() for t in (q, k, v)]
+        cp.ring_attention(*mine, ring).backward(grad)
+    one_pass()  # untimed: the tiles and the first messages' set-up
+    ring.timed = True
+    for _ in range(repeats):
+        dist.barrier()  # every rank starts the pass together: a wait is then the hop's, not a late neighbour's
+        one_pass()
+    alone: dict[str, list[float]] = {"kv": [], "dkv": []}
+    messages = {"kv": (torch.stack([k, v]), cp.KV_TAG), "dkv": (torch.zeros((2, *k.shape), device=device), cp.DKV_TAG)}
+    for _ in range(repeats if world > 1 else 0):  # one rank has no neighbour to send to
+        for name, (tensor, tag) in messages.items():
+            def hop_alone(tensor: torch.Tensor = tensor, name: str = name, tag: int = tag) -> None:
+                hop, _ = ring.pass_on([tensor], f"alone_{name}", tag)
+                hop.wait()  # on a GPU: the stream waits for NCCL's copy, and the end event comes after it
+            dist.barrier()
+            alone[name].append(timing.time_s(hop_alone, device))
+    out: dict = {f"{d}_{kind}": gather_per_rank([sum(getattr(t, kind)) for t in ring.times[d]])
+                 for d in ("forward", "backward") for kind in ("compute", "wait")}
+    out |= {f"alone_{name}": gather_per_rank(ts) for name, ts in alone.items()}
+    out["hops"] = {"forward": world - 1, "backward_kv": world - 1, "backward_dkv": world if world > 1 else 0}
+    return out

@@ -1,0 +1,107 @@
+"""``DynamicBucketedDDP``: ``BucketedDDP`` for models whose backward is not the same every step (chapter 07).
+
+``BucketedDDP`` sends a bucket at its parameters' first hook calls. Three
+things break that, and this extension handles each:
+
+1. **A parameter accumulates more than once per backward.** A module used both
+   inside and outside a *reentrant* activation checkpoint gets two
+   accumulations into ``.grad`` (the checkpoint runs a backward pass of its
+   own), so its hook fires twice; a bucket sent at the first call carries half
+   the gradient. The first step therefore only *counts* the hook calls per
+   parameter and sends every bucket at the end; later steps send a bucket
+   when each of its parameters has reached its count (``hook_calls`` gives
+   the counts up front instead).
+2. **A parameter is unused in a step** (a branch not taken), on some ranks or
+   all. Each bucket carries a 0/1 "has a gradient" flag per parameter, so the
+   same message tells which parameters no rank used: they keep ``grad = None``,
+   as in a single process (an optimizer skips them; a zero gradient would still
+   move momentum and weight decay).
+3. **A gradient comes after its bucket left** (the graph changed: a parameter
+   used more often than in any step before). The bucket is marked late and
+   sent again after the backward. To agree on that without an extra message,
+   the last bucket always waits for the end of the backward and carries one
+   "late" flag per bucket; every rank re-sends the buckets that any rank
+   flagged, in the same order.
+
+PyTorch's DDP makes the same bets: ``find_unused_parameters=True`` for 2 and
+``static_graph=True``, which records the hook counts of the first iteration, for 1.
+The flags cost 4 bytes per parameter tensor and per bucket.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from course_lib.parallel import collectives as comm
+from course_lib.parallel.data_parallel.ddp import Bucket, BucketedDDP, _set_grad
+
+
+class DynamicBucketedDDP(BucketedDDP):
+    """``BucketedDDP`` with hook counts learned on the first step, unused-parameter flags and late re-sends."""
+
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, counter: comm.ByteCounter | None = None,
+                 first_bucket_mb: float | None = 1.0, hook_calls: Sequence[int] | None = None):
+        super().__init__(module, bucket_cap_mb, counter, first_bucket_mb)
+        if hook_calls is not None and len(hook_calls) != len(self.params):
+            raise ValueError(f"hook_calls needs one count per trainable parameter ({len(self.params)}), "
+                             f"got {len(hook_calls)}")
+        # hook calls per parameter and backward: learned on the first step (None until then)
+        self.expected: list[int] | None = None if hook_calls is None else list(hook_calls)
+        self.resent = 0                                     # buckets sent twice because a gradient came late
+
+    def _grad_ready(self, i: int) -> None:
+        self._count[i] += 1
+        if self.expected is None:
+            return                                          # first step: only counting
+        b = self._bucket_of[i]
+        if b.work is not None:
+            self._late.add(self.buckets.index(b))           # already sent: this gradient came late
+        elif self._count[i] == self.expected[i]:            # its last accumulation of this backward
+            b.ready.add(i)
+            self._send_ready()
+
+    def _complete(self, b: Bucket) -> bool:
+        # The last bucket waits for the end of backward, to carry the late flags. A parameter never used
+        # so far (expected 0) does not hold its bucket back.
+        return b is not self.buckets[-1] and all(i in b.ready or self.expected[i] == 0 for i in b.params)
+
+    def _payload(self, b: Bucket) -> list[torch.Tensor]:
+        params = [self.params[i] for i in b.params]
+        dtype, device = params[0].dtype, params[0].device
+        flags = [torch.tensor([float(p.grad is not None) for p in params], dtype=dtype, device=device)]
+        if b is self.buckets[-1]:
+            late = torch.zeros(len(self.buckets), dtype=dtype, device=device)
+            late[sorted(self._late)] = 1.0
+            flags.append(late)
+        return super()._payload(b) + flags
+
+    @torch.no_grad()
+    def finish_gradient_synchronization(self) -> None:
+        """Like ``BucketedDDP``'s, after re-sending the buckets some rank flagged late; update the counts."""
+        if self._sync and self.buckets:
+            self._send_ready(final=True)
+            for b in self.buckets:
+                b.work.wait()
+            late = self.buckets[-1].flat[-len(self.buckets):]   # summed over ranks: > 0 if late anywhere
+            for k in late.nonzero().flatten().tolist():         # the same list, in the same order, everywhere
+                self.resent += 1
+                self._send(self.buckets[k])
+            # learned on the first step, raised if a later step needs more
+            self.expected = (list(self._count) if self.expected is None
+                             else [max(e, c) for e, c in zip(self.expected, self._count)])
+        super().finish_gradient_synchronization()               # waits (for the re-sent ones too), unpacks
+
+    def _unpack(self, b: Bucket) -> None:
+        total = sum(b.sizes)
+        used = b.flat[total: total + len(b.params)].tolist()
+        for i, g, u in zip(b.params, b.flat[:total].split(b.sizes), used):
+            if u > 0:                                       # flag 0: unused on every rank, keep grad None
+                _set_grad(self.params[i], g.div_(self.world))
+
+    def _reset(self) -> None:
+        super()._reset()
+        self._count = [0] * len(self.params)                # hook calls in this backward
+        self._late: set[int] = set()                        # buckets that a gradient reached after they left

@@ -1,0 +1,9 @@
+"""Pipeline parallelism (chapter 08): the model cut into stages, one per rank, micro-batches flowing through.
+
+- ``schedules``: schedules as data (GPipe, 1F1B, interleaved, zero bubble) and a simulator that plays them.
+- ``messages``: who sends what to whom, and when.
+- ``split_backward``: the backward split into B (input gradients) and W (weight gradients), for zero bubble.
+- ``executor``: one rank running any schedule of its stage.
+- ``pipedream``: asynchronous 1F1B with weight stashing.
+- ``freeze``: freeze training on a pipeline, frozen stages skip their backward.
+"""
