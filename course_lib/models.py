@@ -217,7 +217,7 @@ class CausalSelfAttention(nn.Module):
         self.n_heads = n_heads
         self.fused = fused
         self.dropout = dropout
-        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)  # head-major: see forward
         self.proj = nn.Linear(d_model, d_model)
         # p = 0 would still save a mask in training; leave the op out instead.
         self.attn_drop: nn.Module = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
@@ -227,9 +227,11 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         hd = C // self.n_heads
+        # qkv's 3C outputs are stored head by head, [q_0 k_0 v_0 | q_1 k_1 v_1 | ...] (Megatron-LM's layout):
+        # any contiguous block of them is whole heads, so tensor parallelism splits it with no reordering.
         # (B, T, 3C) -> three (B, H, T, hd); contiguous so matmul saves these, not hidden copies
-        q, k, v = (t.view(B, T, self.n_heads, hd).transpose(1, 2).contiguous()
-                   for t in self.qkv(x).split(C, dim=2))
+        qkv = self.qkv(x).view(B, T, self.n_heads, 3, hd)
+        q, k, v = (qkv[..., i, :].transpose(1, 2).contiguous() for i in range(3))
         if self.fused:
             # saves q, k, v, the output and a (B, H, T) log-sum-exp: linear in T
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True,

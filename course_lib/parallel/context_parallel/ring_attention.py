@@ -510,7 +510,8 @@ def attention_forward(attn: nn.Module, x: torch.Tensor, ring: Ring) -> torch.Ten
     """``models.CausalSelfAttention``'s computation on this rank's positions, attention over the ring."""
     B, n, C = x.shape
     H = attn.n_heads
-    q, k, v = (t.view(B, n, H, C // H).transpose(1, 2).contiguous() for t in attn.qkv(x).split(C, dim=2))
+    qkv = attn.qkv(x).view(B, n, H, 3, C // H)  # head-major, as in the model
+    q, k, v = (qkv[..., i, :].transpose(1, 2).contiguous() for i in range(3))
     y = ring_attention(q, k, v, ring)
     return attn.proj(y.transpose(1, 2).reshape(B, n, C))
 
