@@ -225,12 +225,14 @@ class CausalSelfAttention(nn.Module):
         self.register_buffer("mask", torch.ones(max_len, max_len).tril().bool(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        hd = C // self.n_heads
+        hd = x.shape[-1] // self.n_heads
         # qkv's 3C outputs are stored head by head, [q_0 k_0 v_0 | q_1 k_1 v_1 | ...] (Megatron-LM's layout):
         # any contiguous block of them is whole heads, so tensor parallelism splits it with no reordering.
+        # The heads (-1) and T are read from qkv's output, so the same forward runs one rank's heads (chapter 10).
         # (B, T, 3C) -> three (B, H, T, hd); contiguous so matmul saves these, not hidden copies
-        qkv = self.qkv(x).view(B, T, self.n_heads, 3, hd)
+        qkv = self.qkv(x)
+        B, T = qkv.shape[:2]
+        qkv = qkv.view(B, T, -1, 3, hd)
         q, k, v = (qkv[..., i, :].transpose(1, 2).contiguous() for i in range(3))
         if self.fused:
             # saves q, k, v, the output and a (B, H, T) log-sum-exp: linear in T
@@ -240,7 +242,7 @@ class CausalSelfAttention(nn.Module):
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))      # (B, H, T, T): the O(T^2) memory
             att = att.masked_fill(~self.mask[:T, :T], float("-inf")).softmax(dim=-1)
             y = self.attn_drop(att) @ v                                  # (B, H, T, hd)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class TransformerBlock(nn.Module):

@@ -23,6 +23,18 @@ def test_splits_by_hand_in_one_process(c: dict) -> None:
     assert attn["naive_rows"] > 1e-2, "contiguous rows of [q | k | v] are not whole heads"
 
 
+def test_vocab_parallel(c: dict) -> None:
+    assert c["ch10/vocab_parallel_max_diff"] < 1e-12, "loss and every gradient equal one process in float64"
+    ratios = c["ch10/vocab_parallel_bytes_ratio"]
+    assert set(ratios) == {"t=2", "t=4"}
+    for t, parts in ratios.items():
+        assert set(parts) == {"embedding", "head", "loss"}
+        assert all(abs(r - 1) < EXACT for r in parts.values()), f"{t}: {parts}"
+    over = dict(c["ch10/vocab_parallel_loss_over_gathered"])
+    vocab = over.pop("vocab")
+    assert all(abs(r * vocab / 6 - 1) < EXACT for r in over.values()), "3 numbers per token where the logits are v"
+
+
 def test_f_and_g(c: dict) -> None:
     total = c["ch10/sum_of_values"]
     assert total == 10  # ranks hold 1, 2, 3, 4

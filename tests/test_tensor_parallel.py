@@ -8,6 +8,7 @@ against sizes computed here from the shapes.
 
 from __future__ import annotations
 
+import copy
 import tempfile
 
 import pytest
@@ -19,9 +20,11 @@ from course_lib.parallel import collectives as comm
 from course_lib.experiments import launch
 from course_lib.parallel.tensor_parallel import costs as tp_costs
 from course_lib.experiments.run_config import RunConfig, build_model
-from course_lib.parallel.tensor_parallel.layers import (ColumnParallelLinear, HeadMajorAttention, TPBlock, TPGroup,
-                                                    head_major_order, sync_replicated_grads)
-from course_lib.parallel.tensor_parallel.torch_api import saved_bytes_in
+from course_lib.experiments.tp_meters import saved_bytes_in
+from course_lib.models import CausalSelfAttention
+from course_lib.parallel.tensor_parallel.layers import ColumnParallelLinear, TPBlock, TPGroup, sync_replicated_grads
+from course_lib.parallel.tensor_parallel.vocab_parallel import (VocabParallelEmbedding, vocab_parallel_cross_entropy,
+                                                                vocab_range)
 from course_lib.experiments.workers.tp_compare import TPReport
 
 CFG = RunConfig(vocab=40, d_model=48, n_heads=4, n_layers=2, seq_len=8, batch=4, steps=2)
@@ -31,28 +34,40 @@ WORLD = 4
 # ----- one process ---------------------------------------------------------------------------
 
 
-def test_head_major_order_keeps_each_head_together() -> None:
-    order = head_major_order(n_heads=4, d_model=8)  # head dim 2: q rows 0-7, k rows 8-15, v rows 16-23
-    assert sorted(order.tolist()) == list(range(24))
-    assert order[:6].tolist() == [0, 1, 8, 9, 16, 17]  # head 0: its q, k and v rows
-    assert order.chunk(2)[1].tolist() == [4, 5, 12, 13, 20, 21, 6, 7, 14, 15, 22, 23]  # rank 1 of 2: heads 2, 3
+def _heads_of_rank(attn: CausalSelfAttention, r: int, t: int) -> CausalSelfAttention:
+    """Rank r's part of ``attn``: contiguous block r of qkv's rows, block r of proj's columns, no proj bias."""
+    part = copy.deepcopy(attn)
+    C = attn.proj.in_features
+    part.qkv = torch.nn.Linear(C, 3 * C // t).double()
+    part.proj = torch.nn.Linear(C // t, C, bias=False).double()
+    with torch.no_grad():
+        part.qkv.weight.copy_(attn.qkv.weight.chunk(t)[r])
+        part.qkv.bias.copy_(attn.qkv.bias.chunk(t)[r])
+        part.proj.weight.copy_(attn.proj.weight.chunk(t, 1)[r])
+    return part
+
+
+def test_contiguous_qkv_rows_are_whole_heads() -> None:
+    """The model stores qkv head by head, so a contiguous block of its rows is whole heads with their q, k, v."""
+    attn = build_model(RunConfig(d_model=24, n_heads=3, seq_len=6, dtype="float64")).blocks[0].attn
+    # head j, part i (q, k, v), component d is row j * 3hd + i * hd + d: with hd = 8, rank 1 of 3 holds head 1
+    x = torch.randn(2, 6, 24, dtype=torch.float64)
+    rows = attn.qkv(x).view(2, 6, 3, 3, 8)[:, :, 1]                     # (B, T, q/k/v, hd) of head 1
+    assert torch.equal(rows.flatten(2), attn.qkv(x).chunk(3, dim=-1)[1])
+    for t in (1, 3):  # the same attention, computed by t ranks of whole heads each, summed
+        xs = [x.clone().requires_grad_() for _ in range(t + 1)]
+        parts = [_heads_of_rank(attn, r, t) for r in range(t)]
+        full = attn(xs[t])
+        split = sum(p(xr) for p, xr in zip(parts, xs)) + attn.proj.bias
+        assert torch.allclose(split, full, atol=1e-13, rtol=0)
+        full.square().sum().backward()
+        split.square().sum().backward()
+        assert torch.allclose(sum(xr.grad for xr in xs[:t]), xs[t].grad, atol=1e-13, rtol=0)
+        got = torch.cat([p.qkv.weight.grad for p in parts])
+        assert torch.allclose(got, attn.qkv.weight.grad, atol=1e-13, rtol=0)
+        attn.zero_grad()
     with pytest.raises(ValueError, match="divisible"):
-        head_major_order(3, 8)
-
-
-def test_head_major_attention_is_the_same_function() -> None:
-    model = build_model(RunConfig(d_model=24, n_heads=3, seq_len=6, dtype="float64"))
-    attn = model.blocks[0].attn
-    hm = HeadMajorAttention.from_attention(attn)
-    x = torch.randn(2, 6, 24, dtype=torch.float64, requires_grad=True)
-    x2 = x.detach().clone().requires_grad_()
-    out, out2 = attn(x), hm(x2)
-    assert torch.allclose(out, out2, atol=1e-13, rtol=0)
-    out.square().sum().backward()
-    out2.square().sum().backward()
-    assert torch.allclose(x.grad, x2.grad, atol=1e-13, rtol=0)
-    order = head_major_order(3, 24)
-    assert torch.allclose(hm.qkv.weight.grad, attn.qkv.weight.grad[order], atol=1e-13, rtol=0)
+        CausalSelfAttention(8, 3, 6)
 
 
 def test_paper_formulas() -> None:
@@ -169,7 +184,7 @@ def test_dtensor_meter_agrees_with_the_plain_one() -> None:
 @pytest.fixture(scope="module")
 def rep() -> TPReport:
     out = launch.run("course_lib.experiments.workers.tp_compare", WORLD,
-                     ["--tasks", "ops,byhand,api,mesh", "--cfg", CFG.to_json(), "--layouts", "2x2,1x4"],
+                     ["--tasks", "ops,byhand,api,mesh,vocab", "--cfg", CFG.to_json(), "--layouts", "2x2,1x4"],
                      timeout=240)
     return TPReport.from_dict(out)
 
@@ -340,3 +355,59 @@ def test_sync_replicated_grads_only_under_sequence_parallelism(one_rank_group) -
     mixed = torch.nn.Sequential(TPBlock(block, TPGroup()), TPBlock(block, TPGroup(), sequence_parallel=True))
     with pytest.raises(ValueError, match="mixes"):
         sync_replicated_grads(mixed, TPGroup())
+
+
+# ----- the vocabulary split ------------------------------------------------------------------
+
+
+def test_vocab_parallel_formulas() -> None:
+    s, b, h, v = 2048, 1, 12288, 51200
+    for t in (2, 8):
+        ar = 2 * (t - 1) / t
+        parts = tp_costs.vocab_parallel_bytes(s, b, h, t)
+        assert parts == {"embedding": pytest.approx(ar * 2 * s * b * h), "head": pytest.approx(ar * 2 * s * b * h),
+                         "loss": pytest.approx(3 * ar * 2 * s * b)}
+        gathered = tp_costs.gathered_logits_bytes(s, b, v, t)
+        assert gathered == pytest.approx((t - 1) / t * 2 * s * b * v)
+        assert parts["loss"] / gathered == pytest.approx(6 / v), "3 all-reduces of s·b numbers against s·b·v logits"
+    with pytest.raises(ValueError, match="positive"):
+        tp_costs.gathered_logits_bytes(8, 1, 0, 2)
+
+
+def test_vocab_parallel_pieces_on_one_rank(one_rank_group) -> None:
+    tp = TPGroup()
+    emb = torch.nn.Embedding(10, 4).double()
+    ids = torch.tensor([[0, 3, 9], [9, 1, 1]])
+    assert torch.equal(VocabParallelEmbedding(emb, tp)(ids), emb(ids))
+    logits = torch.randn(2, 3, 10, dtype=torch.float64, requires_grad=True)
+    loss = vocab_parallel_cross_entropy(logits, ids, tp)
+    ref = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten(), reduction="none").view(2, 3)
+    assert torch.allclose(loss, ref, atol=1e-14, rtol=0)
+    # the hand-written backward against finite differences
+    assert torch.autograd.gradcheck(lambda z: vocab_parallel_cross_entropy(z, ids, tp), (logits,))
+    with pytest.raises(ValueError, match="does not split over 2 ranks"):
+        vocab_range(11, _TwoRanks())
+    assert vocab_range(10, _TwoRanks()) == (0, 5)
+
+
+@pytest.mark.slow
+def test_vocab_parallel_equals_one_process(rep: TPReport) -> None:
+    assert sorted(v.tp for v in rep.vocab) == [2, 4]
+    for v in rep.vocab:
+        assert v.dtype == "float64" and v.loss > 0
+        assert v.loss_diff < 1e-12, f"t={v.tp}: loss off by {v.loss_diff}"
+        assert set(v.grad_diff) == {"embed.tok", "embed.pos", "head.ln", "head.out.weight", "head.out.bias"}
+        assert all(d < 1e-12 for d in v.grad_diff.values()), f"t={v.tp}: {v.grad_diff}"
+
+
+@pytest.mark.slow
+def test_vocab_parallel_bytes(rep: TPReport) -> None:
+    s, b, h, v = CFG.seq_len, CFG.batch, CFG.d_model, CFG.vocab
+    for r in rep.vocab:
+        assert r.calls == {"embedding": {"all_reduce": 1}, "loss": {"all_reduce": 3}, "head": {"all_reduce": 1}}
+        want = tp_costs.vocab_parallel_bytes(s, b, h, r.tp, act_bytes=8)
+        assert r.sent == pytest.approx(want)
+        assert r.sent["loss"] == 3 * 2 * (r.tp - 1) / r.tp * s * b * 8  # three (b, s) float64 tensors
+        gathered = tp_costs.gathered_logits_bytes(s, b, v, r.tp, act_bytes=8)
+        assert r.sent["loss"] / gathered == pytest.approx(6 / v)
+

@@ -11,6 +11,8 @@ each rank saves; ``run_blocks`` runs them all, in float64 and float32.
 ``run_mesh`` trains the whole model a few Adam steps on a
 ``dp x tp`` mesh (SP where tp > 1, FSDP2 over dp) and returns a
 ``MeshResult`` against single-process Adam (``experiment.reference``).
+``run_vocab`` runs the embedding, the LM head and the loss split over the vocabulary
+(``vocab_parallel``) against one process: a ``VocabResult``.
 """
 
 from __future__ import annotations
@@ -28,10 +30,13 @@ from course_lib import memory, timing
 from course_lib.parallel import collectives as comm
 from course_lib.experiments.run_config import RunConfig, build_model, local_batch, reference
 from course_lib.experiments.results import gather_per_rank, max_abs_diff, max_over_ranks, mean_over_ranks
-from course_lib.parallel.tensor_parallel.layers import (SEQ, TPBlock, TPGroup, copy_to_tp, full_grads, gather_from_sequence,
-                                                    reduce_from_tp, reduce_scatter_to_sequence, sync_replicated_grads)
-from course_lib.parallel.tensor_parallel.torch_api import (CountDTensorComm, block_plan, original_layout, parallelize,
-                                          reduce_partial_grads, saved_bytes_in, since, snapshot, to_head_major)
+from course_lib.experiments.tp_meters import CountDTensorComm, full_grads, saved_bytes_in, since, snapshot
+from course_lib.parallel.tensor_parallel.layers import (SEQ, TPBlock, TPGroup, copy_to_tp, gather_from_sequence,
+                                                        reduce_from_tp, reduce_scatter_to_sequence,
+                                                        sync_replicated_grads)
+from course_lib.parallel.tensor_parallel.torch_api import block_plan, parallelize, reduce_partial_grads
+from course_lib.parallel.tensor_parallel.layers import ColumnParallelLinear
+from course_lib.parallel.tensor_parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from course_lib.parallel.sharding.zero import count_fsdp_traffic, held_bytes
 from course_lib.models import lm_loss
 
@@ -79,6 +84,19 @@ class MeshResult:
     param_placements: dict[str, str] = field(default_factory=dict)
     partial_grads: int = 0              # gradients still partial sums before the optimizer (reduced once)
     lazy_optimizer_calls: dict[str, int] = field(default_factory=dict)  # collectives of a step on partial ones
+
+
+@dataclass
+class VocabResult:
+    """The embedding, head and loss split over the vocabulary on ``tp`` ranks, against one process."""
+
+    tp: int
+    dtype: str
+    loss: float
+    loss_diff: float                  # largest over ranks
+    grad_diff: dict[str, float]       # by parameter, the largest over ranks
+    sent: dict[str, float]            # rank 0's bytes by part: embedding, head, loss
+    calls: dict[str, dict[str, int]]  # rank 0's calls by part
 
 
 BYHAND = {"tp": (False, False), "sp": (True, False), "sp_regather": (True, True)}  # (sequence parallel, regather)
@@ -148,7 +166,7 @@ def run_api(method: str, block, x, w, ref, mesh, device) -> BlockResult:
     from torch.distributed.tensor.parallel import parallelize_module
 
     sp = method != "api_tp"
-    hm = to_head_major(copy.deepcopy(block))
+    hm = copy.deepcopy(block)
     parallelize_module(hm, mesh, block_plan(sp, keep_dtensor=method != "api_sp_local"))
     tp = TPGroup(mesh.get_group())
     xs = _shard(x, sp, tp).clone().requires_grad_()
@@ -158,8 +176,7 @@ def run_api(method: str, block, x, w, ref, mesh, device) -> BlockResult:
         fwd = snapshot(counter)
         (holder[0] * _shard(w, sp, tp)).sum().backward()
         bwd = since(fwd, counter)
-    n_heads = block.attn.n_heads
-    grads = {n: original_layout(n, p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad, n_heads)
+    grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
              for n, p in hm.named_parameters()}  # full_tensor: a collective outside the counter
     local = {n: list((p.to_local() if isinstance(p, DTensor) else p).shape) for n, p in hm.named_parameters()}
     return _checked(method, mesh.size(), sp, tp, holder[0], xs, grads, ref, (fwd, bwd), saved, local, device)
@@ -194,14 +211,23 @@ def run_ops(device: torch.device) -> dict:
     return out
 
 
+_PAIRS: list = []  # the process group of this rank's pair, made once per launch
+
+
+def tp_groups(world: int) -> dict[int, TPGroup]:
+    """Tensor-parallel groups by size, each with a fresh counter: pairs of ranks (0, 1), (2, 3), ... and the world."""
+    sizes = sorted({s for s in (2, world) if s > 1 and world % s == 0})
+    if 2 in sizes and world > 2 and not _PAIRS:
+        _PAIRS.append(dist.new_subgroups(2)[0])  # every rank joins its pair
+    return {s: TPGroup(_PAIRS[0] if s < world else None) for s in sizes}
+
+
 def run_blocks(cfg: RunConfig, with_api: bool, device) -> tuple[list[BlockResult], dict[str, int]]:
     """Every ``BYHAND`` method (and with ``with_api`` every API one) in float64 and float32, on groups of 2 and of
     the whole world; and what the single-process block saves, per dtype."""
     world = dist.get_world_size()
-    sizes = sorted({s for s in (2, world) if s > 1 and world % s == 0})
-    groups = {world: TPGroup()}
-    if 2 in sizes and world > 2:
-        groups[2] = TPGroup(dist.new_subgroups(2)[0])  # every rank joins its pair: ranks (0, 1), (2, 3), ...
+    groups = tp_groups(world)
+    sizes = sorted(groups)
     mesh = init_device_mesh(device.type, (world,)) if with_api else None
     results, ref_saved = [], {}
     for dtype in ("float64", "float32"):
@@ -252,7 +278,7 @@ def run_mesh(cfg: RunConfig, dp: int, tp: int, device, ref: tuple[list[float], d
         times.append(timing.time_s(one_step, device))
         losses.append(mean_over_ranks(holder[0].item(), device))  # TP ranks agree; the mean is over dp
     # a copy: a replicated DTensor's full_tensor() is its local tensor, which the optimizer updates in place
-    full = {n: original_layout(n, p.full_tensor() if isinstance(p, DTensor) else p, cfg.n_heads).detach().cpu().clone()
+    full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
             for n, p in model.named_parameters()}
     lazy = comm.ByteCounter()
     if partial:  # once more, the optimizer reading the partial gradients itself (after the comparison)
@@ -273,3 +299,48 @@ def run_mesh(cfg: RunConfig, dp: int, tp: int, device, ref: tuple[list[float], d
         tp_calls_per_step={k: v / cfg.steps for k, v in tp_counter.calls.items()},
         partial_grads=partial, lazy_optimizer_calls=dict(lazy.calls),
         step_s=statistics.median(times[1:] if len(times) > 1 else times), param_placements=placements)
+
+
+def run_vocab(cfg: RunConfig, tp: TPGroup, device) -> VocabResult:
+    """The model's embedding and head with no blocks between, ids -> loss, split over the vocabulary on ``tp``.
+
+    One process: ``F.cross_entropy`` of the whole logits. Split: ``VocabParallelEmbedding``, the head's linear as a
+    ``ColumnParallelLinear`` (each rank its slice of the logits) and ``vocab_parallel_cross_entropy``.
+    """
+    import torch.nn.functional as F
+
+    model = build_model(cfg, device)
+    x, y = local_batch(cfg, 0, 0, 1, device)
+    emb, head = model.embed, model.head
+    pos = torch.arange(x.shape[1], device=device)
+    ref_loss = F.cross_entropy(head(emb(x)).flatten(0, 1), y.flatten())
+    ref_loss.backward()
+    first = tp.rank * cfg.vocab // tp.size
+    rows = slice(first, first + cfg.vocab // tp.size)
+    ref = {"embed.tok": emb.tok.weight.grad[rows], "embed.pos": emb.pos.weight.grad, "head.ln": head.ln.weight.grad,
+           "head.out.weight": head.out.weight.grad[rows], "head.out.bias": head.out.bias.grad[rows]}
+
+    split_emb, split_out = VocabParallelEmbedding(emb.tok, tp), ColumnParallelLinear(head.out, tp)
+    pos_w, ln = copy.deepcopy(emb.pos), copy.deepcopy(head.ln)
+    sent, calls, before = {}, {}, snapshot(tp.counter)
+
+    def part(name: str) -> None:
+        nonlocal before
+        sent[name], calls[name] = since(before, tp.counter)
+        sent[name] = sum(sent[name].values())
+        before = snapshot(tp.counter)
+
+    h = split_emb(x) + pos_w(pos)
+    part("embedding")
+    logits = split_out(ln(h))                                  # (B, T, V/t): this rank's columns
+    loss = vocab_parallel_cross_entropy(logits, y, tp).mean()
+    part("loss")
+    loss.backward()
+    part("head")                                               # f's all-reduce of the head input's gradient
+    got = {"embed.tok": split_emb.weight.grad, "embed.pos": pos_w.weight.grad, "head.ln": ln.weight.grad,
+           "head.out.weight": split_out.weight.grad, "head.out.bias": split_out.bias.grad}
+    return VocabResult(
+        tp=tp.size, dtype=cfg.dtype, loss=loss.item(),
+        loss_diff=max_over_ranks(abs(loss.item() - ref_loss.item()), device),
+        grad_diff={n: max_over_ranks(max_abs_diff(got[n], ref[n]), device) for n in ref},
+        sent=sent, calls=calls)

@@ -10,7 +10,9 @@ Tasks (``--tasks``, in this order, in one launch, to pay for starting the proces
   ranks and of the whole world, in float64 and float32, against the single-process block;
 - ``api``: the same block under ``parallelize_module`` (TP, then TP + SP) on a 1-D mesh of the whole world;
 - ``mesh``: the whole model trained a few Adam steps on (dp, tp) meshes of the world (``--layouts``, e.g.
-  ``4x1,2x2,1x4``; SP wherever tp > 1, FSDP2 over dp), against single-process Adam.
+  ``4x1,2x2,1x4``; SP wherever tp > 1, FSDP2 over dp), against single-process Adam;
+- ``vocab``: the embedding, the LM head and the loss split over the vocabulary, on groups of 2 ranks and of the
+  whole world, in float64, against one process.
 
 The runs and their checks are ``course_lib.experiments.tp_checks``.
 """
@@ -28,7 +30,7 @@ from course_lib.experiments import launch
 from course_lib.experiments import tp_checks
 from course_lib.experiments.run_config import RunConfig, build_model
 from course_lib.experiments.results import WorkerResult
-from course_lib.experiments.tp_checks import BlockResult, MeshResult
+from course_lib.experiments.tp_checks import BlockResult, MeshResult, VocabResult
 from course_lib.env import seed_everything
 
 # ----- what one launch reports: the notebook and the tests rebuild it with TPReport.from_dict -----
@@ -44,6 +46,7 @@ class TPReport(WorkerResult):
     meshes: list[MeshResult]
     ref_saved_bytes: dict[str, int]     # dtype -> what the single-process block saves
     num_params: int = 0
+    vocab: list[VocabResult] = dataclasses.field(default_factory=list)
 
     def block(self, method: str, tp: int, dtype: str = "float64") -> BlockResult:
         """The block run of ``method`` at tensor-parallel size ``tp`` in ``dtype``."""
@@ -61,7 +64,7 @@ class TPReport(WorkerResult):
         raise KeyError(f"no mesh run {dp}x{tp} in {dtype}; have {[(m.dp, m.tp, m.dtype) for m in self.meshes]}")
 
 
-TASKS = ("ops", "byhand", "api", "mesh")
+TASKS = ("ops", "byhand", "api", "mesh", "vocab")
 
 
 def run_tasks(a: argparse.Namespace, rank: int, world: int, device: torch.device) -> TPReport:
@@ -82,6 +85,9 @@ def run_tasks(a: argparse.Namespace, rank: int, world: int, device: torch.device
             c = dataclasses.replace(cfg, dtype=dtype)
             ref = tp_checks.reference_training(c)  # once per dtype, for every layout
             report.meshes += [tp_checks.run_mesh(c, dp, tp, device, ref) for dp, tp in layouts]
+    if "vocab" in tasks:
+        c = dataclasses.replace(cfg, dtype="float64")
+        report.vocab = [tp_checks.run_vocab(c, group, device) for group in tp_checks.tp_groups(world).values()]
     return report
 
 

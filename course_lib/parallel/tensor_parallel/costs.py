@@ -1,23 +1,17 @@
 """What tensor and sequence parallelism cost, in formulas (chapter 10; the capstone's planner uses them).
 
-Notation of Korthikanti et al. 2022 ("Reducing Activation Recomputation in
-Large Transformer Models"): s the sequence length, b the micro-batch, h the
-width, a the attention heads, t the tensor-parallel size, d the data-parallel
-size. The layer is the course's ``TransformerBlock`` (GPT-2's: pre-norm,
-fused QKV, a 4h MLP with GELU), which is also the paper's.
+Notation of Korthikanti et al. 2022: s the sequence length, b the micro-batch, h the width, a the heads,
+t the tensor-parallel size, d the data-parallel size, v the vocabulary. The layer is the course's
+``TransformerBlock`` (GPT-2's: pre-norm, fused QKV, a 4h MLP with GELU), which is also the paper's.
 
-- Model states per rank: TP splits the four weight matrices (and the
-  column-parallel biases) t ways; FSDP/ZeRO over d divides what each TP rank
-  holds by d.
-- Activations per layer (the paper's section 4, Table 2): 34sbh + 5as²b
-  bytes with 16-bit activations and 1-byte dropout masks; TP divides all but
-  10sbh by t (the LayerNorm and dropout regions and the inputs of the two
-  column-parallel linears stay whole); TP with sequence parallelism divides
-  everything by t.
-- Communication per layer per micro-batch: TP all-reduces an sbh activation 4
-  times (2 forward, 2 backward); SP replaces each all-reduce by an all-gather
-  and a reduce-scatter, the same bytes; Megatron's regather adds one
-  all-gather per column-parallel linear in the backward.
+- Model states per rank: TP splits the four weight matrices (and the column-parallel biases) t ways;
+  FSDP/ZeRO over d divides what each TP rank holds by d.
+- Activations per layer (the paper's Table 2): 34sbh + 5as²b bytes; TP divides all but 10sbh by t,
+  TP with sequence parallelism everything.
+- Communication per layer per micro-batch: TP all-reduces an sbh activation 4 times; SP replaces each
+  all-reduce by an all-gather and a reduce-scatter, the same bytes; Megatron's regather adds one all-gather
+  per column-parallel linear in the backward. The vocabulary split's loss sends 3 numbers per token where
+  gathering the logits would send v.
 """
 
 from __future__ import annotations
@@ -149,3 +143,22 @@ def comm_over_compute(s: int, h: int, tp: int, flops_per_s: float, bytes_per_s: 
     comm_s = sum(comm_bytes_per_layer(s, 1, h, tp, act_bytes=act_bytes).values()) / bytes_per_s
     compute_s = layer_flops(s, 1, h) / tp / flops_per_s
     return comm_s / compute_s
+
+
+def vocab_parallel_bytes(s: int, b: int, h: int, tp: int, act_bytes: int = 2) -> dict[str, float]:
+    """Bytes one rank sends per micro-batch for the vocabulary split (``vocab_parallel``), by part, ring algorithm.
+
+    ``embedding``: ``g``'s all-reduce of the (s, b, h) embeddings, forward. ``head``: ``f``'s all-reduce of the
+    head input's gradient, backward. ``loss``: three all-reduces of s·b numbers (the max, the target's logit,
+    the sum of exp), forward; its backward sends nothing.
+    """
+    _check_sizes(s=s, b=b, h=h, tp=tp)
+    all_reduce = ring_factor("all_reduce", tp) * act_bytes
+    return {"embedding": all_reduce * s * b * h, "head": all_reduce * s * b * h, "loss": 3 * all_reduce * s * b}
+
+
+def gathered_logits_bytes(s: int, b: int, v: int, tp: int, act_bytes: int = 2) -> float:
+    """Bytes one rank sends to gather the whole (s, b, v) logits from their vocabulary slices instead: one
+    all-gather, (t-1)/t of them. Against ``vocab_parallel_bytes(...)["loss"]``: a ratio of 6/v."""
+    _check_sizes(s=s, b=b, v=v, tp=tp)
+    return ring_factor("all_gather", tp) * s * b * v * act_bytes

@@ -1,35 +1,20 @@
-"""Tensor and sequence parallelism written by hand (chapter 10).
+"""Megatron-LM's tensor parallelism written by hand (chapter 10): every matrix of a block split over t ranks.
 
-Megatron-LM (Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion
-Parameter Language Models Using Model Parallelism", section 3) splits every
-weight matrix of a transformer block over the t ranks of a tensor-parallel group:
-
-- a column-parallel linear ``Y = X A`` keeps a block of A's output columns
-  (rows of ``nn.Linear.weight``): rank r computes ``Y_r = X A_r`` from the
-  full input, no communication;
-- a row-parallel linear keeps a block of A's input rows and takes the matching
-  slice of its input: ``Y = sum_r X_r A_r``, a sum over ranks (all-reduce).
-
-Column then row (the MLP; the attention with its heads split) needs one
-all-reduce forward and one backward, done by two conjugate operators:
-``f`` (identity forward, all-reduce backward) before the column-parallel
-linear and ``g`` (all-reduce forward, identity backward) after the row-parallel one.
-
-Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation
-Recomputation in Large Transformer Models", section 4.2.2) also splits the
-LayerNorm and dropout regions, on the sequence: ``g``'s all-reduce becomes a
-reduce-scatter (each rank keeps its rows of the sum) and ``f`` an all-gather;
-their conjugates run in the backward. Same bytes, 1/t of those activations.
-
-Each collective goes through ``comm`` and is counted in ``TPGroup.counter``. The same split
-through torch's API (``parallelize_module``, DTensor) is in ``tp_api``.
-Activations are (batch, sequence, features): the sequence is dimension 1.
+A column-parallel linear ``Y = X A`` keeps a block of A's output columns (rows of ``nn.Linear.weight``):
+rank r computes ``Y_r = X A_r`` from the full input, no communication. A row-parallel linear keeps a block
+of A's input rows and takes the matching slice of its input: ``Y = sum_r X_r A_r``, a sum over ranks.
+Column then row (the MLP; the attention with its heads split) needs one all-reduce forward and one
+backward, done by two conjugate operators (Shoeybi et al. 2019, section 3): ``f`` (identity forward,
+all-reduce backward) before the column-parallel linear, ``g`` (all-reduce forward, identity backward)
+after the row-parallel one. ``TPBlock`` splits a ``TransformerBlock`` so; with ``sequence_parallel`` its
+LayerNorm regions run on sequence shards (``sequence_parallel.py``). Each collective goes through
+``collectives`` and is counted in ``TPGroup.counter``. The same split through torch's API is in
+``torch_api``. Activations are (batch, sequence, features): the sequence is dimension 1.
 """
 
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -38,9 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib.parallel import collectives as comm
-from course_lib.models import CausalSelfAttention, TransformerBlock
-
-SEQ = 1  # the sequence dimension of (batch, sequence, features)
+from course_lib.parallel.tensor_parallel.sequence_parallel import (SEQ, _GatherLinear, gather_from_sequence,
+                                                                   reduce_scatter_to_sequence)
+from course_lib.models import TransformerBlock
 
 
 @dataclass
@@ -112,32 +97,6 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-class _GatherFromSequence(torch.autograd.Function):
-    """Sequence parallelism's f: all-gather the sequence forward, reduce-scatter the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return tp.all_gather(x, SEQ)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.tp.reduce_scatter(grad, SEQ), None
-
-
-class _ReduceScatterToSequence(torch.autograd.Function):
-    """Sequence parallelism's g: reduce-scatter forward (each rank keeps its rows of the sum), all-gather backward."""
-
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return tp.reduce_scatter(x, SEQ)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.tp.all_gather(grad, SEQ), None
-
-
 def copy_to_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """f: identity forward, all-reduce backward."""
     return _CopyToTP.apply(x, tp)
@@ -148,50 +107,11 @@ def reduce_from_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     return _ReduceFromTP.apply(x, tp)
 
 
-def gather_from_sequence(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    """All-gather along the sequence forward, reduce-scatter backward."""
-    return _GatherFromSequence.apply(x, tp)
-
-
-def reduce_scatter_to_sequence(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    """Reduce-scatter along the sequence forward, all-gather backward."""
-    return _ReduceScatterToSequence.apply(x, tp)
-
-
-class _GatherLinear(torch.autograd.Function):
-    """All-gather the sequence, then a linear layer, saving only this rank's shard of the input.
-
-    Autograd would save the gathered input, t times the shard. Megatron-LM
-    saves the shard and gathers it again in the backward (its
-    ``LinearWithGradAccumulationAndAsyncCommunication``): one more all-gather
-    per linear per step (which it overlaps with the gradient matmul), for the
-    1/t activation memory of Korthikanti et al.'s Table 2.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, tp):
-        ctx.tp, ctx.has_bias = tp, bias is not None
-        ctx.save_for_backward(x, weight)
-        return F.linear(tp.all_gather(x, SEQ), weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        # under autocast the forward's product ran in grad's dtype (bf16); the backward runs outside autocast, so
-        # it casts as autocast did (autograd casts each gradient back to its input's dtype)
-        weight = weight.to(grad.dtype)
-        full = ctx.tp.all_gather(x.to(grad.dtype), SEQ)  # the extra all-gather
-        grad_x = ctx.tp.reduce_scatter(grad @ weight, SEQ)
-        grad_w = grad.flatten(0, -2).T @ full.flatten(0, -2)
-        grad_b = grad.flatten(0, -2).sum(0) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None
-
-
 # ----- the parallel layers --------------------------------------------------------------------
 
 
 class ColumnParallelLinear(nn.Module):
-    """Rank r keeps output rows ``order.chunk(t)[r]`` of ``full`` (default: the natural order), and their biases.
+    """Rank r keeps block r of ``full``'s output rows (contiguous), and their biases.
 
     Input: the full activation (or, with ``sequence_parallel``, this rank's
     sequence shard, gathered here); output: this rank's slice of the features.
@@ -199,18 +119,15 @@ class ColumnParallelLinear(nn.Module):
     gathered input and gathers it again in the backward (``_GatherLinear``).
     """
 
-    def __init__(self, full: nn.Linear, tp: TPGroup, order: torch.Tensor | None = None,
-                 sequence_parallel: bool = False, regather: bool = False):
+    def __init__(self, full: nn.Linear, tp: TPGroup, sequence_parallel: bool = False, regather: bool = False):
         super().__init__()
         if full.out_features % tp.size:
             raise ValueError(f"{full.out_features} output features do not split over {tp.size} ranks")
         if regather and not sequence_parallel:
             raise ValueError("regather saves a sequence shard: it needs sequence_parallel=True")
         self.tp, self.sequence_parallel, self.regather = tp, sequence_parallel, regather
-        self.order = torch.arange(full.out_features) if order is None else order.cpu()  # host: an index, moved
-        mine = self.order.chunk(tp.size)[tp.rank].to(full.weight.device)
-        self.weight = nn.Parameter(full.weight.detach()[mine].clone())  # (out/t, in)
-        self.bias = nn.Parameter(full.bias.detach()[mine].clone()) if full.bias is not None else None
+        self.weight = nn.Parameter(full.weight.detach().chunk(tp.size)[tp.rank].clone())  # (out/t, in)
+        self.bias = nn.Parameter(full.bias.detach().chunk(tp.size)[tp.rank].clone()) if full.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.sequence_parallel:
@@ -241,54 +158,7 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-# ----- attention with its heads split ---------------------------------------------------------
-
-
-def head_major_order(n_heads: int, d_model: int) -> torch.Tensor:
-    """Rows of a fused ``[q | k | v]`` weight reordered head by head: ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]``.
-
-    Then any contiguous block of rows holds whole heads with their q, k and v,
-    so a column-parallel split gives each rank whole heads (Megatron-LM keeps
-    its fused QKV weight in this layout for that reason).
-    """
-    if d_model % n_heads:
-        raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
-    return torch.arange(3 * d_model).view(3, n_heads, d_model // n_heads).transpose(0, 1).reshape(-1)  # host
-
-
-class HeadMajorAttention(nn.Module):
-    """Causal self-attention on a head-major fused ``qkv``; it runs on whatever whole heads ``qkv`` returns.
-
-    ``CausalSelfAttention`` computes with the full width; this forward takes
-    the number of heads from ``qkv``'s output, so the same code runs one rank's
-    heads (by hand, or under ``parallelize_module``) and all of them.
-    """
-
-    def __init__(self, qkv: nn.Module, proj: nn.Module, head_dim: int, mask: torch.Tensor, attn_drop: nn.Module):
-        super().__init__()
-        self.qkv, self.proj, self.head_dim, self.attn_drop = qkv, proj, head_dim, attn_drop
-        self.register_buffer("mask", mask.clone(), persistent=False)
-
-    @classmethod
-    def from_attention(cls, attn: CausalSelfAttention) -> "HeadMajorAttention":
-        """The same attention in one process, its ``qkv`` rows reordered by ``head_major_order``."""
-        d_model = attn.proj.in_features
-        qkv = copy.deepcopy(attn.qkv)
-        order = head_major_order(attn.n_heads, d_model).to(qkv.weight.device)
-        with torch.no_grad():
-            qkv.weight.copy_(attn.qkv.weight[order])
-            qkv.bias.copy_(attn.qkv.bias[order])
-        return cls(qkv, copy.deepcopy(attn.proj), d_model // attn.n_heads, attn.mask, copy.deepcopy(attn.attn_drop))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv(x)
-        B, T = qkv.shape[:2]  # T from the output: under sequence parallelism x holds a shard of the sequence
-        qkv = qkv.view(B, T, -1, 3, self.head_dim)                       # (B, T, heads here, 3, hd)
-        q, k, v = (qkv[..., i, :].transpose(1, 2).contiguous() for i in range(3))  # each (B, heads, T, hd)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
-        att = att.masked_fill(~self.mask[:T, :T], float("-inf")).softmax(dim=-1)
-        y = self.attn_drop(att) @ v
-        return self.proj(y.transpose(1, 2).reshape(B, T, -1))           # (B, T, heads here x hd)
+# ----- a transformer block split over the ranks ------------------------------------------------
 
 
 class TPBlock(nn.Module):
@@ -312,16 +182,18 @@ class TPBlock(nn.Module):
 
     def __init__(self, block: TransformerBlock, tp: TPGroup, sequence_parallel: bool = False, regather: bool = False):
         super().__init__()
-        attn, d_model = block.attn, block.attn.proj.in_features
+        attn = block.attn
         if attn.n_heads % tp.size:
             raise ValueError(f"{attn.n_heads} heads do not split over {tp.size} ranks; choose a tensor-parallel "
                              f"size that divides the number of heads")
         sp = sequence_parallel
         self.ln1, self.ln2 = copy.deepcopy(block.ln1), copy.deepcopy(block.ln2)
-        qkv = ColumnParallelLinear(attn.qkv, tp, head_major_order(attn.n_heads, d_model), sp, regather)
-        self.attn = HeadMajorAttention(qkv, RowParallelLinear(attn.proj, tp, sp), d_model // attn.n_heads,
-                                       attn.mask, copy.deepcopy(attn.attn_drop))
-        self.mlp = nn.Sequential(ColumnParallelLinear(block.mlp[0], tp, None, sp, regather),
+        # qkv is stored head by head ([q_0 k_0 v_0 | q_1 k_1 v_1 | ...]): a contiguous block of rows is whole
+        # heads, and CausalSelfAttention reads the number of heads from qkv's output, so it runs rank r's heads
+        self.attn = copy.deepcopy(attn)
+        self.attn.qkv = ColumnParallelLinear(attn.qkv, tp, sp, regather)
+        self.attn.proj = RowParallelLinear(attn.proj, tp, sp)
+        self.mlp = nn.Sequential(ColumnParallelLinear(block.mlp[0], tp, sp, regather),
                                  copy.deepcopy(block.mlp[1]), RowParallelLinear(block.mlp[2], tp, sp))
         self.tp = tp
         self.dropout = float(getattr(attn, "dropout", 0.0) or 0.0)
@@ -362,30 +234,3 @@ def sync_replicated_grads(module: nn.Module, tp: TPGroup, counter: comm.ByteCoun
     comm.all_reduce(flat, counter=counter, group=tp.group)
     for p, g in zip(params, flat.split([p.numel() for p in params])):
         p.grad.copy_(g.view_as(p.grad))
-
-
-def full_grads(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Every gradient of a hand-split module as the single-process layer has it (a collective, uncounted).
-
-    Column-parallel shards are gathered along dimension 0 and put back in the
-    layer's row order; row-parallel weights along dimension 1; the rest is whole.
-    """
-    split: dict[int, tuple[nn.Module, int]] = {}
-    for m in module.modules():
-        if isinstance(m, ColumnParallelLinear):
-            split |= {id(p): (m, 0) for p in (m.weight, m.bias) if p is not None}
-        elif isinstance(m, RowParallelLinear):
-            split[id(m.weight)] = (m, 1)
-    out = {}
-    for name, p in module.named_parameters():
-        if id(p) not in split:
-            out[name] = p.grad
-            continue
-        layer, dim = split[id(p)]
-        parts = [torch.empty_like(p.grad) for _ in range(layer.tp.size)]
-        dist.all_gather(parts, p.grad.contiguous(), group=layer.tp.group)
-        full = torch.cat(parts, dim=dim)
-        if dim == 0:  # rank r held rows order.chunk(t)[r]: put every row back in its place
-            full = full[torch.argsort(layer.order).to(full.device)]
-        out[name] = full
-    return out
