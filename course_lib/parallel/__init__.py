@@ -6,7 +6,7 @@ Read these to learn a chapter; each file fits one sitting and starts with the id
 - ``data_parallel/``: every rank a whole model, gradients averaged: NaiveDDP, BucketedDDP (chapter 07).
 - ``pipeline/``: the model cut into stages, micro-batches flowing through them: GPipe, 1F1B (chapter 08).
 - ``sharding/``: optimizer state, gradients and parameters split over ranks: ZeRO, FSDP2 (chapter 09).
-- ``tensor_parallel/``: each matmul split over ranks, Megatron style, and sequence parallelism (chapter 10).
+- ``tensor_parallel/``: each matmul split over ranks, Megatron style, sequence parallelism, the vocabulary split (chapter 10).
 - ``context_parallel/``: the sequence split over ranks, attention passed round a ring (chapter 12).
 - ``expert_parallel/``: a mixture of experts with its experts spread over ranks (chapter 12).
 
