@@ -10,7 +10,8 @@ keep the fastest that fits. The package reads in that order:
 - ``step``: ``train_step`` runs a ``Config`` for real, ``measure_peak`` measures its peak (to verify a plan);
 - ``measure``: ``calibrate`` measures a model once, into ``Measurements``;
 - ``predict``: ``predict_peak``, ``comm_bytes``, ``predict_step_time``: arithmetic on the measurements;
-- ``search``: ``plan`` weighs every candidate, keeps the fastest that fits, and says why;
+- ``search``: ``plan`` weighs every candidate and keeps the fastest that fits;
+- ``explain``: ``Plan``, the answer, with why it won and the table of every candidate;
 - ``experts``: ``predict_experts``, ``plan_experts``: a mixture of experts' bytes per rank over ``e x d`` ranks
   (chapter 12).
 
@@ -24,8 +25,9 @@ from course_lib.planner.predict import (DEFAULT_BANDWIDTH, DEFAULT_HOST_BANDWIDT
                                         FORWARD_SHARE, block_saves, comm_bytes, offload_bytes, pipeline_terms,
                                         predict_peak, predict_step_time, step_time_parts, tp_comm_bytes,
                                         tp_shares)
-from course_lib.planner.search import (DEFAULT_HEADROOM, MIN_CHUNK_TOKENS, TIMING_MAX_MICRO, Candidate, MiB, Plan,
-                                       cp_sizes, data_parallel_ranks, layout, plan, segment_options)
+from course_lib.planner.explain import MiB, Candidate, Plan, data_parallel_ranks, layout
+from course_lib.planner.search import (DEFAULT_HEADROOM, MIN_CHUNK_TOKENS, TIMING_MAX_MICRO, cp_sizes, plan,
+                                       segment_options)
 from course_lib.planner.experts import ExpertLayout, plan_experts, predict_experts
 from course_lib.planner.predict import cp_comm_bytes, cp_in_flight_bytes
 from course_lib.planner.step import (PRECISIONS, LossFn, attention_kernel, autocast, checkpointing, fp8_matmuls,

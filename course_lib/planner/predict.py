@@ -287,3 +287,11 @@ def predict_step_time(meas: Measurements, config: Config, world_size: int = 1,
     boundary = block_saves(meas, config)[2] * config.micro_batch  # a block's output (this rank's shard)
     p2p = terms["crossings"] / config.pp * config.accumulation_steps * boundary  # per rank, at intra-node speed
     return per_micro / config.pp / (1 - terms["bubble"]) + per_step / config.pp + p2p / tp_bandwidth
+
+
+def pipeline_runs(meas: Measurements, config: Config) -> bool:
+    """Whether ``config``'s pipeline can run: its stages cut the blocks, interleaving gets whole groups."""
+    try:
+        return config.pp == 1 or pipeline_terms(config, meas.n_blocks) is not None
+    except ValueError:
+        return False

@@ -4,7 +4,7 @@ For every combination of precision, micro-batch with accumulation, checkpoint se
 layout over the ranks (data x tensor x context x pipeline) and chapter 11's options, ``plan`` takes the largest
 micro-batch whose predicted peak (``predict.predict_peak``) fits the budget less a headroom, ranks those by
 predicted speed
-(``predict.predict_step_time``) and explains the choice; ``Plan.table`` lists every candidate. The model is
+(``predict.predict_step_time``); ``explain`` says why it chose, ``Plan.table`` lists every candidate. The model is
 measured once (``measure.calibrate``); the notebook's Experiment then runs the chosen plan (``step``).
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -25,11 +24,11 @@ from course_lib.models import CausalSelfAttention
 from course_lib.planner.config import Config
 from course_lib.planner.measure import (BatchFn, Measurements, calibrate, default_batch, lm_head, tp_sizes,
                                         transformer_layers)
-from course_lib.planner.predict import (DEFAULT_BANDWIDTH, DEFAULT_HOST_BANDWIDTH, DEFAULT_TP_BANDWIDTH,
-                                        cp_comm_bytes, offload_bytes, pipeline_terms, predict_peak, predict_step_time)
+from course_lib.planner.explain import MiB, Candidate, Plan, explain, layout_text, peak_parts
+from course_lib.planner.predict import (DEFAULT_BANDWIDTH, DEFAULT_HOST_BANDWIDTH, DEFAULT_TP_BANDWIDTH, pipeline_runs,
+                                        predict_peak, predict_step_time)
 from course_lib.planner.step import LossFn
 
-MiB = 2**20
 # The prediction's error measured in chapter 13 is a few percent either way, and allocators fragment.
 DEFAULT_HEADROOM = 0.05
 TIMING_MAX_MICRO = 64  # larger timed passes would slow planning and add little
@@ -39,69 +38,6 @@ TIMING_MAX_MICRO = 64  # larger timed passes would slow planning and add little
 MIN_CHUNK_TOKENS = 8
 
 
-@dataclass
-class Candidate:
-    """One (pass, segments, layout, stage, offload, loss chunks) at its largest fitting micro-batch (at 1 if none
-    fits)."""
-
-    config: Config
-    fits: bool
-    peak: dict                               # predict_peak of config
-    samples_per_s: float                     # 0 when it does not fit
-
-
-@dataclass
-class Plan:
-    """What ``plan`` chose, why, and every candidate it weighed."""
-
-    config: Config
-    predicted_peak_bytes: int
-    predicted_samples_per_s: float
-    budget_bytes: int
-    world_size: int
-    peak: dict
-    explanation: str
-    candidates: list[Candidate] = field(default_factory=list)
-    measurements: Measurements | None = None
-
-    @property
-    def mesh(self) -> tuple[int, int]:
-        """(data-parallel, tensor-parallel) ranks of the chosen configuration."""
-        return data_parallel_ranks(self.config, self.world_size), self.config.tp
-
-    def table(self, limit: int | None = None) -> str:
-        """The candidates, fastest first (then those that do not fit), one line each. The layout column reads
-        ``d`` data-parallel ranks times ``t`` tensor-parallel (``2t``), ``c`` context-parallel (``2c``) or
-        ``p`` pipeline (``2p``; ``2p/2``: two interleaved chunks per stage) ranks."""
-        rows = [f"{'precision':>9} {'chapter 11':>18} {'segments':>8} {'layout':>7} {'ZeRO':>4} {'micro':>5} "
-                f"{'accum':>5} {'peak MiB':>9} {'samples/s':>9}"]
-        # fastest first, in the order ``plan`` weighed them where the speeds tie (so its choice is the first line);
-        # those that do not fit by their peak
-        for c in sorted(self.candidates, key=lambda c: (-c.samples_per_s, 0 if c.fits else c.peak["total"]))[:limit]:
-            m, a = (c.config.micro_batch, c.config.accumulation_steps) if c.fits else ("-", "-")
-            note = "  <- chosen" if c.config == self.config else ("" if c.fits else "  (micro-batch 1 too big)")
-            rows.append(f"{c.config.precision:>9} {_options(c.config):>18} {c.config.segments:>8} "
-                        f"{layout(c.config, self.world_size):>7} {c.config.zero_stage:>4} {m:>5} {a:>5} "
-                        f"{c.peak['total'] / MiB:9.1f} {c.samples_per_s:9.1f}{note}")
-        return "\n".join(rows)
-
-
-def data_parallel_ranks(config: Config, world_size: int) -> int:
-    """The ranks that split the batch: the world over the tensor, context and pipeline ranks."""
-    return world_size // (config.tp * config.cp * config.pp)
-
-
-def layout(config: Config, world_size: int) -> str:
-    """``config``'s layout of ``world_size`` ranks in a few characters: ``4``, ``2x2t``, ``1x4c``, ``2x2p/2``."""
-    return _layout_text(data_parallel_ranks(config, world_size), config.tp, config.cp, config.pp,
-                        config.virtual_stages)
-
-
-def _layout_text(d: int, t: int, c: int, p: int = 1, v: int = 1) -> str:
-    axes = [f"{n}{a}" for n, a in ((t, "t"), (c, "c"), (p, "p")) if n > 1]
-    return "x".join([str(d), *axes]) + (f"/{v}" if v > 1 else "")
-
-
 def segment_options(n_blocks: int) -> list[int]:
     """For each size of the largest segment, the fewest segments that give it (fewer segments recompute less).
 
@@ -109,16 +45,6 @@ def segment_options(n_blocks: int) -> list[int]:
     """
     sizes = {math.ceil(n_blocks / k) for k in range(1, n_blocks + 1)}
     return sorted(min(k for k in range(1, n_blocks + 1) if math.ceil(n_blocks / k) == s) for s in sizes) or [1]
-
-
-def _options(config: Config) -> str:
-    """Chapter 11's options of ``config``, in a few characters: fused attention, loss chunks, offload."""
-    names = ["fused"] * config.fused + [f"loss/{config.loss_chunks}"] * (config.loss_chunks > 1)
-    return " ".join(names + ["offload"] * config.offload) or "-"
-
-
-def _parts(peak: dict) -> str:
-    return ", ".join(f"{k} {peak[k] / MiB:.1f}" for k in ("params", "grads", "optimizer", "batch", "transient"))
 
 
 def cp_sizes(model: nn.Module, sample_shape: tuple[int, ...], world_size: int) -> list[int]:
@@ -139,7 +65,7 @@ def _layouts(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int,
                                                       if context_parallel else [])]
     ok = [(t, c) for t, c in sizes if global_batch % (world_size // (t * c)) == 0]
     if not ok:
-        names = " or ".join(_layout_text(world_size // (t * c), t, c) for t, c in sizes[1:])
+        names = " or ".join(layout_text(world_size // (t * c), t, c) for t, c in sizes[1:])
         raise ValueError(f"global batch {global_batch} does not split evenly over {world_size} ranks: use a multiple "
                          f"of {world_size}" + (f" (or of the data-parallel ranks d of a layout: {names})"
                                               if len(sizes) > 1 else ""))
@@ -154,20 +80,12 @@ def _switch(name: str, wanted: bool | None, pays: bool, runs: bool, needs: str) 
     return [False, True] if runs and (pays if wanted is None else wanted) else [False]
 
 
-def _pipelines(meas: Measurements, config: Config) -> bool:
-    """Whether ``config``'s pipeline can run: its stages cut the blocks, interleaving gets whole groups."""
-    try:
-        return config.pp == 1 or pipeline_terms(config, meas.n_blocks) is not None
-    except ValueError:
-        return False
-
-
 def _largest_fitting(meas: Measurements, shape: Config, per_rank: int, world_size: int, usable: int,
                      speed: Callable[[Config], float]) -> Candidate | None:
     """``shape`` at the largest micro-batch dividing ``per_rank`` whose predicted peak fits ``usable`` bytes."""
     cfgs = [dataclasses.replace(shape, micro_batch=m, accumulation_steps=per_rank // m)
             for m in range(1, per_rank + 1) if per_rank % m == 0]
-    cfgs = [c for c in cfgs if _pipelines(meas, c)]
+    cfgs = [c for c in cfgs if pipeline_runs(meas, c)]
     if not cfgs:
         return None
     ok = [c for c in cfgs if predict_peak(meas, c, world_size)["total"] <= usable]
@@ -336,56 +254,11 @@ def plan(model: nn.Module, sample_shape: tuple[int, ...], global_batch: int, mem
         if any(c > 1 for _, c, _ in sizes):
             more += ", context parallelism each sequence's activations"
         raise ValueError(f"nothing fits {budget_text}: the smallest configuration ({small.config.describe()}) "
-                         f"needs {small.peak['total'] / MiB:.1f} MiB ({_parts(small.peak)} MiB). Use a budget of at "
+                         f"needs {small.peak['total'] / MiB:.1f} MiB ({peak_parts(small.peak)} MiB). Use a budget of at "
                          f"least {small.peak['total'] / (1 - headroom) / MiB:.1f} MiB, a smaller model or shorter "
                          f"samples, or more ranks ({more}).{unsearched}")
-    best, cfg = fits[0], fits[0].config
-    dp = data_parallel_ranks(cfg, world_size)
-    per_rank = global_batch // dp
-    mesh = (f" on {dp} data-parallel x {cfg.tp} tensor-parallel ranks" if cfg.tp > 1 else
-            f" on {dp} data-parallel x {cfg.cp} context-parallel ranks" if cfg.cp > 1 else "")
-    # the parts sum to the predicted peak, so they follow it, before the budget it must fit
-    why = [f"Chosen: {cfg.describe()}{mesh}. Predicted peak {best.peak['total'] / MiB:.1f} MiB per device "
-           f"({_parts(best.peak)} MiB; the peak is in the {best.peak['where']}), within a budget of {budget_text}; "
-           f"about {best.samples_per_s:.0f} samples/s."]
-    bigger = [dataclasses.replace(cfg, micro_batch=m, accumulation_steps=per_rank // m)
-              for m in range(cfg.micro_batch + 1, per_rank + 1) if per_rank % m == 0]
-    bigger = [c for c in bigger if _pipelines(meas, c)]
-    if bigger:
-        nxt = bigger[0]
-        need = predict_peak(meas, nxt, world_size)["total"]
-        fits_too = "" if need > usable else (  # a pipeline: it fits, but needs more micro-batches for its bubble
-            f" and leave the pipeline a bubble of {pipeline_terms(nxt, meas.n_blocks)['bubble']:.2f}, not "
-            f"{pipeline_terms(cfg, meas.n_blocks)['bubble']:.2f}")
-        why.append(f"Micro-batch {nxt.micro_batch} would need {need / MiB:.1f} MiB{fits_too}.")
-    if cfg.memory_options() and cfg.cp == 1:  # the ring needs the fused kernel: no plain twin to compare
-        plain = dataclasses.replace(cfg, fused=False, offload=False, loss_chunks=1)
-        plain_peak, options = predict_peak(meas, plain, world_size)["total"], " and ".join(cfg.memory_options())
-        if plain_peak > usable:
-            why.append(f"Without {options} it would need {plain_peak / MiB:.1f} MiB.")
-        else:  # chosen for speed: without them it fits too (at the same peak where that is the optimizer step)
-            why.append(f"{options[0].upper()}{options[1:]}: chosen for speed, not memory (without, the peak would "
-                       f"be {plain_peak / MiB:.1f} MiB, which fits too).")
-    if cfg.cp > 1:
-        why.append(f"The ring (chapter 12) sends {cp_comm_bytes(meas, cfg) / 1e6:.1f} MB per rank per step, priced "
-                   f"at {tp_bandwidth / 1e9:.0f} GB/s; every rank keeps the whole model, so the gradients are "
-                   f"summed over all {dp * cfg.cp} of them.")
-    if cfg.offload:
-        why.append(f"Offloading moves {offload_bytes(meas, cfg) / 1e6:.1f} MB per step over the host link (priced "
-                   f"at {host_bandwidth / 1e9:.0f} GB/s)" + ("; on a CPU machine that is chapter 11's simulation: "
-                                                            "the host is the same memory, nothing is saved"
-                                                            if device.type == "cpu" else "") + ".")
-    if unsearched:
-        why.append(unsearched.strip())
-    if len(fits) > 1:
-        why.append(f"Runner-up: {fits[1].config.describe()}, {fits[1].samples_per_s:.0f} samples/s.")
-    t = {p: a + b * meas.timing_micro for p, (a, b) in meas.time.items()}
-    for low in ("bf16", "fp8"):
-        if low in t and "fp32" in t:
-            why.append(f"A micro-batch of {meas.timing_micro} took {t[low] / t['fp32']:.2f}x as long in {low} as in "
-                       "fp32 here.")
-    if cfg.micro_batch < per_rank and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
-        why.append(f"BatchNorm will see micro-batches of {cfg.micro_batch}, not the batch: consider GroupNorm "
-                   "(chapter 04).")
-    return Plan(cfg, best.peak["total"], best.samples_per_s, memory_budget_bytes, world_size, best.peak,
-                " ".join(why), candidates, meas)
+    best = fits[0]
+    why = explain(best, fits, meas, model, device, world_size, global_batch, usable, budget_text,
+                  unsearched, tp_bandwidth, host_bandwidth)
+    return Plan(best.config, best.peak["total"], best.samples_per_s, memory_budget_bytes, world_size,
+                best.peak, why, candidates, meas)
