@@ -11,5 +11,6 @@ process; the notebooks call it, and nothing in ``course_lib.parallel`` imports i
 - ``ddp_checks``, ``zero_checks``, ``tp_checks``, ``cp_checks``, ``ep_checks``: each method against one process.
 - ``pipeline_model``, ``pipeline_steps``: the model cut into stages, and one measured pipeline step.
 - ``step_traces``: one profiled step of DDP or ZeRO per rank.
+- ``comm_spies``: what ``torch.distributed`` was really handed (calls, bytes), beside the counters' formulas.
 - ``workers/``: the entry points ``torchrun`` starts.
 """
