@@ -1,33 +1,19 @@
-"""``DynamicBucketedDDP``: ``BucketedDDP`` for models whose backward is not the same every step (chapter 07).
+"""``DynamicBucketedDDP``: ``BucketedDDP`` for backwards that differ between steps or ranks, opt-in (chapter 07).
 
-``BucketedDDP`` sends a bucket at its parameters' first hook calls. Three
-things break that, and this extension handles each:
+Three things break ``BucketedDDP``'s bets, and this layer handles each:
 
-1. **A parameter accumulates more than once per backward.** A module used both
-   inside and outside a *reentrant* activation checkpoint gets two
-   accumulations into ``.grad`` (the checkpoint runs a backward pass of its
-   own), so its hook fires twice; a bucket sent at the first call carries half
-   the gradient. The first step therefore only *counts* the hook calls per
-   parameter and sends every bucket at the end; later steps send a bucket
-   when each of its parameters has reached its count (``hook_calls`` gives
-   the counts up front instead).
-2. **A parameter is unused in a step** (a branch not taken), on some ranks or
-   all. Each bucket carries a 0/1 "has a gradient" flag per parameter, so the
-   same message tells which parameters no rank used: they keep ``grad = None``,
-   as in a single process (an optimizer skips them; a zero gradient would still
-   move momentum and weight decay).
-3. **A gradient comes after its bucket left** (the graph changed: a parameter
-   used more often than in any step before). The bucket is marked late and
-   sent again after the backward. To agree on that without an extra message,
-   the last bucket always waits for the end of the backward and carries one
-   "late" flag per bucket; every rank re-sends the buckets that any rank
-   flagged, in the same order.
+1. **A parameter accumulates twice per backward** (used inside and outside a reentrant checkpoint): the first
+   step only counts each parameter's hook calls and sends every bucket at its end; later steps send a bucket
+   when each of its parameters has reached its count (``hook_calls`` gives the counts up front).
+2. **A parameter is used on some ranks and not on others**: each bucket carries a 0/1 "has a gradient" flag
+   per parameter, so the same message tells which ones no rank used; those keep ``grad = None``.
+3. **A gradient comes after its bucket left** (a parameter used more often than in any step before): the last
+   bucket waits for the end of backward and carries one "late" flag per bucket; every rank re-sends the
+   buckets that any rank flagged, in the same order.
 
-PyTorch's DDP makes the same bets: ``find_unused_parameters=True`` for 2 and
-``static_graph=True``, which records the hook counts of the first iteration, for 1.
-The flags cost 4 bytes per parameter tensor and per bucket, and the layer pays the
-copies that ``BucketedDDP``'s views save: a late gradient must not land in a bucket
-that is on the wire, so each bucket's message is a copy (``torch.cat``), copied back.
+torch DDP's ``static_graph=True`` makes bet 1 and ``find_unused_parameters=True`` handles 2. The cost: 4 bytes
+of flags per tensor and per bucket, and the copies that ``BucketedDDP``'s views save (a late gradient must not
+land in a bucket on the wire, so each message is a copy of the gradients, copied back).
 """
 
 from __future__ import annotations
