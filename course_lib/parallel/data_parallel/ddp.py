@@ -35,10 +35,10 @@ class Bucket:
     """Gradients that travel as one all-reduce: ``flat`` holds them back to back, each ``.grad`` a view into it.
 
     Against a bucket that is a message of its own (``torch.cat`` of the gradients, the result copied back
-    into each ``.grad``), the views save a second copy of every gradient in memory (the gradients' size, as
-    torch's ``gradient_as_bucket_view=True`` says), the copy back after the all-reduce, and, while ``.grad``
-    is kept between steps (``zero_grad(set_to_none=False)``), the copy in: autograd adds into the bucket.
-    After ``set_to_none=True`` autograd makes a fresh ``.grad`` and ``send`` copies it in once, as torch does.
+    into each ``.grad``), the views save per step a second copy of every gradient in memory (the gradients'
+    bytes, as torch's ``gradient_as_bucket_view=True`` says), the copy back after the all-reduce, and, while
+    ``.grad`` is kept between steps (``zero_grad(set_to_none=False)``), the copy in: autograd adds into the
+    bucket. After ``set_to_none=True`` autograd makes a fresh ``.grad`` and ``send`` copies it in once, as torch does.
     """
 
     index: list[int]                                    # the parameters' positions in the wrapper's list
@@ -71,8 +71,9 @@ class Bucket:
         self.flat.div_(world)
         for p, view in zip(self.params, self.views):
             if p.grad is not None:      # None: unused on every rank (the bet), as in one process: AdamW skips it
-                p.grad = view           # here rather than in send: a gradient that comes after its bucket left
-                                        # (unsupported, see ddp_dynamic) cannot land in a message in flight
+                p.grad = view           # here, not in send: after set_to_none=True a gradient that comes after
+                                        # its bucket left (unsupported: ddp_dynamic) lands in the old .grad,
+                                        # not in a message on the wire
 
 
 def _require_process_group() -> int:
