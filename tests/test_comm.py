@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from course_lib.parallel import collectives as comm
 from course_lib.experiments import launch
+from course_lib.experiments.comm_spies import handed_bytes
 from course_lib.experiments.workers.selftest import CommChecks
 
 WORLD = 3  # not 2: 2(N-1)/N = 4/3 here, so a formula that ignores N would show
@@ -156,7 +157,7 @@ def test_collective_prefers_the_newer_names():
 
 def test_handed_bytes_records_what_torch_distributed_receives(monkeypatch):
     monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: None)
-    with comm.handed_bytes("all_reduce") as sizes:
+    with handed_bytes("all_reduce") as sizes:
         dist.all_reduce(torch.zeros(10, dtype=torch.float64))
         dist.all_reduce(torch.zeros(3, dtype=torch.float16))
     assert sizes == [80, 6]

@@ -41,15 +41,19 @@ def test_equal_to_single_process(result, scenario, kind):
 
 def test_every_wrapper_is_checked_where_it_claims_to_work():
     assert set(SUPPORTED["dynamic"]) == set(SUPPORTED["naive"]) == {"frozen_shared", "reentrant", "unused"}
-    assert SUPPORTED["bucketed"] == ("frozen_shared",)
+    assert SUPPORTED["bucketed"] == ("frozen_shared", "unused")
 
 
 def test_bucketed_ddp_is_wrong_where_it_says_it_would_be(result):
     # a bucket sent at a parameter's first hook call misses the second accumulation
     assert result.equal["reentrant"]["bucketed"].grad_diff > 1e-3
-    # an unused parameter gets a zero gradient instead of None: momentum moves it, unlike in one process
-    unused = result.equal["unused"]["bucketed"]
-    assert not unused.none_match and unused.param_diff > 1e-4
+
+
+def test_naive_and_bucketed_agree_on_a_parameter_unused_on_every_rank(result):
+    # the aux head, unused on every rank on even steps: None in both, as in one process, so momentum leaves it
+    for kind in ("naive", "bucketed"):
+        unused = result.equal["unused"][kind]
+        assert unused.none_match and unused.param_diff < TOL, kind
 
 
 def test_hooks_fire_twice_under_reentrant_checkpoint(result):
@@ -82,15 +86,15 @@ def test_communication_volume_against_the_model_and_the_process_group(result):
     factor = 2 * (WORLD - 1) / WORLD                                          # the ring: 2(N-1)/N per rank
     s = result.timing.sent
     assert result.timing.grad_bytes == grad_bytes and result.timing.tensors == tensors
-    # what the process group received: the gradients, plus NaiveDDP's separate 0/1 flags per tensor
-    # and DynamicBucketedDDP's flags per tensor and per bucket (float32 each)
-    assert s["naive"].handed_bytes == grad_bytes + 4 * tensors and s["naive"].handed_calls == tensors + 1
+    # what the process group received: the gradients, plus DynamicBucketedDDP's flags per tensor and per
+    # bucket (float32 each); NaiveDDP sends no flags (the plain loop: one all-reduce per gradient, nothing else)
+    assert s["naive"].handed_bytes == grad_bytes and s["naive"].handed_calls == tensors
     assert s["bucketed"].handed_bytes == grad_bytes and s["torch"].handed_bytes == grad_bytes
     buckets = s["dynamic"].handed_calls
     assert s["dynamic"].handed_bytes == grad_bytes + 4 * (tensors + buckets)
-    # the counted bytes: the ring formula applied to what was handed over (NaiveDDP's flags are bookkeeping)
+    # the counted bytes: the ring formula applied to what was handed over
     assert s["naive"].bytes == factor * grad_bytes
-    for kind in ("bucketed", "dynamic", "torch"):
+    for kind in ("naive", "bucketed", "dynamic", "torch"):
         assert s[kind].bytes == factor * s[kind].handed_bytes, kind
         assert s[kind].messages == s[kind].handed_calls, kind
     assert s["naive"].messages == tensors, "NaiveDDP sends one message per tensor"
@@ -134,3 +138,66 @@ def test_labelled_draws_inputs_then_labels_and_slowest_rank_s_times_a_call():
         assert wall > 0 and cpu >= 0
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def one_rank():
+    """A gloo group of this process alone: the wrappers' collectives run, on one rank."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+class _SpareHead(torch.nn.Module):
+    """An MLP with a second head that no forward uses: a parameter unused on every rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head, self.spare = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4), torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(x)))
+
+
+@pytest.mark.parametrize("wrapper", [NaiveDDP, BucketedDDP, DynamicBucketedDDP])
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_parameter_unused_on_every_rank_keeps_no_gradient_and_adamw_leaves_it(one_rank, wrapper, set_to_none):
+    """As in one process (and torch DDP with find_unused_parameters=True): grad None, so AdamW skips it."""
+    torch.manual_seed(0)
+    model = wrapper(_SpareHead())
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    spare = [p.detach().clone() for p in model.module.spare.parameters()]
+    for step in range(3):
+        opt.zero_grad(set_to_none=set_to_none)
+        model(torch.randn(5, 8)).square().mean().backward()
+        model.finish_gradient_synchronization()
+        assert all(p.grad is None for p in model.module.spare.parameters()), f"{wrapper.__name__}, step {step}"
+        assert all(p.grad is not None for p in model.module.head.parameters())
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.module.spare.parameters(), spare)), "AdamW moved it"
+
+
+def test_bucketed_grads_are_views_into_their_buckets(one_rank):
+    """No copy into a bucket and back: each .grad lies in its bucket's flat tensor, and stays there across steps."""
+    torch.manual_seed(0)
+    reference = MLP(8, (16, 16))
+    model = BucketedDDP(MLP(8, (16, 16)), bucket_cap_mb=1000 / 2**20, first_bucket_mb=None)
+    model.module.load_state_dict(reference.state_dict())
+    assert len(model.buckets) >= 2
+    held = None
+    for step in range(3):
+        model.zero_grad(set_to_none=False)   # keeps each .grad, zeroed in place: autograd adds into the bucket
+        reference.zero_grad(set_to_none=True)
+        x, y = torch.randn(4, 8), torch.randint(0, 10, (4,))
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        model.finish_gradient_synchronization()
+        torch.nn.functional.cross_entropy(reference(x), y).backward()
+        for b in model.buckets:
+            for p in b.params:
+                assert p.grad.untyped_storage().data_ptr() == b.flat.untyped_storage().data_ptr()
+        grads = [p.grad for p in model.params]
+        if held is not None:
+            assert all(g is h for g, h in zip(grads, held)), "the same tensors, step after step"
+        held = grads
+        assert max((p.grad - q.grad).abs().max().item()
+                   for p, q in zip(model.module.parameters(), reference.parameters())) < 1e-6

@@ -12,5 +12,6 @@ process; the notebooks call it, and nothing in ``course_lib.parallel`` imports i
 - ``pipeline_model``, ``pipeline_steps``: the model cut into stages, and one measured pipeline step.
 - ``step_traces``: one profiled step of DDP or ZeRO per rank.
 - ``tp_meters``: what DTensor sends and autograd saves in chapter 10's runs, and a split module's whole gradients.
+- ``comm_spies``: what ``torch.distributed`` was really handed (calls, bytes), beside the counters' formulas.
 - ``workers/``: the entry points ``torchrun`` starts.
 """

@@ -1,37 +1,22 @@
 """Collectives that count the bytes they send (chapters 07-10 and 12).
 
-Each wrapper forwards to ``torch.distributed`` and adds to a ``ByteCounter``
-the bytes that *this rank* sends under the ring algorithm (Patarasuk & Yuan
-2009; the analysis NCCL's performance notes use), for a tensor of ``B`` bytes
-on ``N`` ranks:
+Each wrapper forwards to ``torch.distributed`` and adds to a ``ByteCounter`` the bytes *this rank* sends
+under the ring algorithm (Patarasuk & Yuan 2009), for a tensor of ``B`` bytes on ``N`` ranks:
 
-- all-reduce:     2 (N-1)/N x B   (a reduce-scatter, then an all-gather)
-- reduce-scatter:   (N-1)/N x B   (B = the full tensor, each rank keeps 1/N)
-- all-gather:       (N-1)/N x B   (B = the full tensor, each rank brings 1/N)
-- broadcast:        (N-1)/N x B   (a chain: N-1 links carry B; averaged over the N ranks)
-- all-to-all:       the rows sent to other ranks (uneven splits; chapter 12's experts)
+- all-reduce:                 2 (N-1)/N x B   (a reduce-scatter, then an all-gather)
+- reduce-scatter, all-gather:   (N-1)/N x B   (B = the full tensor; each rank keeps, or brings, 1/N)
+- broadcast:                    (N-1)/N x B   (a chain: N-1 links carry B; averaged over the N ranks)
+- all-to-all:                   the rows sent to other ranks (uneven splits; chapter 12's experts)
 
-So an all-reduce costs about twice the gradient per rank whatever N is: the
-reason data parallelism scales. The counts are what the algorithm sends, not
-what a library happens to do (gloo may pick another algorithm);
-``ring_all_reduce`` is the hand-written ring whose real sends match the formula.
-
-Flat-tensor reduce-scatter and all-gather go through ``reduce_scatter_single``
-and ``all_gather_single``: the names torch 2.14 gives to what earlier releases
-(and much of the literature) call ``reduce_scatter_tensor`` and
-``all_gather_into_tensor``. ``collective`` falls back to the older names, so
-the course also runs on a hosted notebook that keeps its own, older torch.
-
-Point-to-point messages go out in batches (``exchange``, on
-``dist.batch_isend_irecv``): NCCL needs a send and a receive between the same
-two ranks fused into one group, or both ranks wait in their send for ever.
+So an all-reduce costs about twice the gradient per rank whatever N is: the reason data parallelism scales.
+The counts are the algorithm's, not what gloo happens to run; ``ring_all_reduce`` is the ring by hand, whose
+real sends match the formula. ``exchange`` posts point-to-point messages as one batch, as NCCL needs.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -71,12 +56,13 @@ def ring_factor(op: str, world: int) -> float:
     return per[op] * (world - 1) / world
 
 
-def _world(group: dist.ProcessGroup | None) -> int:
-    return dist.get_world_size(group)
-
-
 def collective(name: str, older: str) -> Callable:
-    """``torch.distributed.<name>``, or ``<older>`` on a torch that does not have the newer name yet."""
+    """``torch.distributed.<name>``, or ``<older>`` on a torch that does not have the newer name yet.
+
+    torch 2.14 calls the flat-tensor reduce-scatter and all-gather ``reduce_scatter_single`` and
+    ``all_gather_single``; earlier releases (and a hosted notebook's own torch) ``reduce_scatter_tensor``
+    and ``all_gather_into_tensor``.
+    """
     fn = getattr(dist, name, None) or getattr(dist, older, None)
     if fn is None:
         raise RuntimeError(f"this torch ({torch.__version__}) has neither dist.{name} nor dist.{older}; "
@@ -88,7 +74,7 @@ def all_reduce(t: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM, counter: 
                group: dist.ProcessGroup | None = None, async_op: bool = False):
     """``dist.all_reduce`` in place, counting 2(N-1)/N x bytes(t)."""
     if counter is not None:
-        counter.add("all_reduce", ring_factor("all_reduce", _world(group)) * nbytes(t))
+        counter.add("all_reduce", ring_factor("all_reduce", dist.get_world_size(group)) * nbytes(t))
     return dist.all_reduce(t, op=op, group=group, async_op=async_op)
 
 
@@ -96,7 +82,7 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: ReduceOp.RedOpType 
                    counter: ByteCounter | None = None, group: dist.ProcessGroup | None = None,
                    async_op: bool = False):
     """Reduce the full flat ``inp`` over ranks; this rank keeps shard ``rank`` in ``out`` (numel = inp/N)."""
-    world = _world(group)
+    world = dist.get_world_size(group)
     if inp.numel() != world * out.numel():
         raise ValueError(f"reduce_scatter: input has {inp.numel()} elements, expected world size {world} x "
                          f"output {out.numel()} = {world * out.numel()}; pad the flat tensor to a multiple of {world}")
@@ -109,7 +95,7 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: ReduceOp.RedOpType 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, counter: ByteCounter | None = None,
                group: dist.ProcessGroup | None = None, async_op: bool = False):
     """Gather every rank's shard ``inp`` into the full flat ``out`` (numel = N x inp), in rank order."""
-    world = _world(group)
+    world = dist.get_world_size(group)
     if out.numel() != world * inp.numel():
         raise ValueError(f"all_gather: output has {out.numel()} elements, expected world size {world} x "
                          f"input {inp.numel()} = {world * inp.numel()}")
@@ -122,7 +108,7 @@ def broadcast(t: torch.Tensor, src: int, counter: ByteCounter | None = None,
               group: dist.ProcessGroup | None = None, async_op: bool = False):
     """``dist.broadcast`` from global rank ``src``, counting (N-1)/N x bytes(t)."""
     if counter is not None:
-        counter.add("broadcast", ring_factor("broadcast", _world(group)) * nbytes(t))
+        counter.add("broadcast", ring_factor("broadcast", dist.get_world_size(group)) * nbytes(t))
     return dist.broadcast(t, src, group=group, async_op=async_op)
 
 
@@ -135,31 +121,6 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_s
         row = nbytes(inp[0]) if inp.shape[0] else 0
         counter.add(op, row * (sum(in_splits) - in_splits[dist.get_rank(group)]))
     dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
-
-
-@contextlib.contextmanager
-def calls_to(name: str, record: Callable[[object], object]) -> Iterator[list]:
-    """Inside the block, record ``record(first argument)`` of every call to ``torch.distributed.<name>``."""
-    original, seen = getattr(dist, name), []
-
-    def spy(first, *args, **kwargs):
-        seen.append(record(first))
-        return original(first, *args, **kwargs)
-
-    setattr(dist, name, spy)
-    try:
-        yield seen
-    finally:
-        setattr(dist, name, original)
-
-
-def handed_bytes(name: str) -> contextlib.AbstractContextManager[list[int]]:
-    """Inside the block, record the bytes of every tensor handed to ``torch.distributed.<name>``.
-
-    A meter independent of ``ByteCounter``: what the process group was really
-    given (e.g. the buckets torch DDP sends), not what a formula says.
-    """
-    return calls_to(name, nbytes)
 
 
 class Message(NamedTuple):

@@ -19,7 +19,7 @@ Rank 0 reports a ``CompareResult``:
 - ``trace`` (with ``--trace-dir``): one profiled step of NaiveDDP and BucketedDDP on the timing MLP, a Chrome
   trace per rank in that folder (``step_traces.trace_ddp``).
 
-The checks are ``distributed.ddp_checks``'s; this script runs those its options ask for.
+The checks are ``ddp_checks``'s; this script runs those its options ask for.
 """
 
 from __future__ import annotations

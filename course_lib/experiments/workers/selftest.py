@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from course_lib.parallel import collectives as comm
 from course_lib.experiments import launch
+from course_lib.experiments.comm_spies import calls_to
 from course_lib.experiments.results import WorkerResult
 
 FOREVER_S = 3600  # longer than any test's timeout
@@ -94,7 +95,7 @@ def _comm_checks(rank: int, world: int, device: torch.device) -> CommChecks:
         c = comm.ByteCounter()
         y = x.clone()
         # the ops of every dist.batch_isend_irecv call: a ring step posts its send and receive together
-        with comm.calls_to("batch_isend_irecv", lambda ops: [op.op.__name__ for op in ops]) as batches:
+        with calls_to("batch_isend_irecv", lambda ops: [op.op.__name__ for op in ops]) as batches:
             comm.ring_all_reduce(y, counter=c)
         ring[str(numel)] = RingCheck((y - expected).abs().max().item(), c.bytes, comm.nbytes(x), batches)
     c = comm.ByteCounter()

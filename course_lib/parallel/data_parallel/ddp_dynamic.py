@@ -1,31 +1,19 @@
-"""``DynamicBucketedDDP``: ``BucketedDDP`` for models whose backward is not the same every step (chapter 07).
+"""``DynamicBucketedDDP``: ``BucketedDDP`` for backwards that differ between steps or ranks, opt-in (chapter 07).
 
-``BucketedDDP`` sends a bucket at its parameters' first hook calls. Three
-things break that, and this extension handles each:
+Three things break ``BucketedDDP``'s bets, and this layer handles each:
 
-1. **A parameter accumulates more than once per backward.** A module used both
-   inside and outside a *reentrant* activation checkpoint gets two
-   accumulations into ``.grad`` (the checkpoint runs a backward pass of its
-   own), so its hook fires twice; a bucket sent at the first call carries half
-   the gradient. The first step therefore only *counts* the hook calls per
-   parameter and sends every bucket at the end; later steps send a bucket
-   when each of its parameters has reached its count (``hook_calls`` gives
-   the counts up front instead).
-2. **A parameter is unused in a step** (a branch not taken), on some ranks or
-   all. Each bucket carries a 0/1 "has a gradient" flag per parameter, so the
-   same message tells which parameters no rank used: they keep ``grad = None``,
-   as in a single process (an optimizer skips them; a zero gradient would still
-   move momentum and weight decay).
-3. **A gradient comes after its bucket left** (the graph changed: a parameter
-   used more often than in any step before). The bucket is marked late and
-   sent again after the backward. To agree on that without an extra message,
-   the last bucket always waits for the end of the backward and carries one
-   "late" flag per bucket; every rank re-sends the buckets that any rank
-   flagged, in the same order.
+1. **A parameter accumulates twice per backward** (used inside and outside a reentrant checkpoint): the first
+   step only counts each parameter's hook calls and sends every bucket at its end; later steps send a bucket
+   when each of its parameters has reached its count (``hook_calls`` gives the counts up front).
+2. **A parameter is used on some ranks and not on others**: each bucket carries a 0/1 "has a gradient" flag
+   per parameter, so the same message tells which ones no rank used; those keep ``grad = None``.
+3. **A gradient comes after its bucket left** (a parameter used more often than in any step before): the last
+   bucket waits for the end of backward and carries one "late" flag per bucket; every rank re-sends the
+   buckets that any rank flagged, in the same order.
 
-PyTorch's DDP makes the same bets: ``find_unused_parameters=True`` for 2 and
-``static_graph=True``, which records the hook counts of the first iteration, for 1.
-The flags cost 4 bytes per parameter tensor and per bucket.
+torch DDP's ``static_graph=True`` makes bet 1 and ``find_unused_parameters=True`` handles 2. The cost: 4 bytes
+of flags per tensor and per bucket, and the copies that ``BucketedDDP``'s views save (a late gradient must not
+land in a bucket on the wire, so each message is a copy of the gradients, copied back).
 """
 
 from __future__ import annotations
@@ -36,7 +24,7 @@ import torch
 from torch import nn
 
 from course_lib.parallel import collectives as comm
-from course_lib.parallel.data_parallel.ddp import Bucket, BucketedDDP, _set_grad
+from course_lib.parallel.data_parallel.ddp import Bucket, BucketedDDP
 
 
 class DynamicBucketedDDP(BucketedDDP):
@@ -66,17 +54,21 @@ class DynamicBucketedDDP(BucketedDDP):
     def _complete(self, b: Bucket) -> bool:
         # The last bucket waits for the end of backward, to carry the late flags. A parameter never used
         # so far (expected 0) does not hold its bucket back.
-        return b is not self.buckets[-1] and all(i in b.ready or self.expected[i] == 0 for i in b.params)
+        return b is not self.buckets[-1] and all(i in b.ready or self.expected[i] == 0 for i in b.index)
 
-    def _payload(self, b: Bucket) -> list[torch.Tensor]:
-        params = [self.params[i] for i in b.params]
-        dtype, device = params[0].dtype, params[0].device
-        flags = [torch.tensor([float(p.grad is not None) for p in params], dtype=dtype, device=device)]
+    @torch.no_grad()
+    def _send(self, b: Bucket) -> None:
+        # the gradients (zeros where there is none here), a 0/1 "has a gradient" flag per parameter,
+        # and in the last bucket one "late" flag per bucket; .grad stays apart from the message
+        dtype, device = b.flat.dtype, b.flat.device
+        grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in b.params]
+        flags = [torch.tensor([float(p.grad is not None) for p in b.params], dtype=dtype, device=device)]
         if b is self.buckets[-1]:
             late = torch.zeros(len(self.buckets), dtype=dtype, device=device)
             late[sorted(self._late)] = 1.0
             flags.append(late)
-        return super()._payload(b) + flags
+        b.flat = torch.cat(grads + flags)
+        b.work = comm.all_reduce(b.flat, counter=self.counter, async_op=True)  # returns at once
 
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
@@ -92,14 +84,21 @@ class DynamicBucketedDDP(BucketedDDP):
             # learned on the first step, raised if a later step needs more
             self.expected = (list(self._count) if self.expected is None
                              else [max(e, c) for e, c in zip(self.expected, self._count)])
-        super().finish_gradient_synchronization()               # waits (for the re-sent ones too), unpacks
+        super().finish_gradient_synchronization()               # waits (for the re-sent ones too), copies back
 
-    def _unpack(self, b: Bucket) -> None:
+    @torch.no_grad()
+    def _finish(self, b: Bucket) -> None:
+        b.work.wait()
         total = sum(b.sizes)
         used = b.flat[total: total + len(b.params)].tolist()
-        for i, g, u in zip(b.params, b.flat[:total].split(b.sizes), used):
-            if u > 0:                                       # flag 0: unused on every rank, keep grad None
-                _set_grad(self.params[i], g.div_(self.world))
+        for p, g, u in zip(b.params, b.flat[:total].split(b.sizes), used):
+            if u == 0:                                      # unused on every rank: keep grad None
+                continue
+            g = g.div_(self.world).view_as(p)               # the sum over ranks, then the mean
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.copy_(g)
 
     def _reset(self) -> None:
         super()._reset()
