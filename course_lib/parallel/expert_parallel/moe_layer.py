@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib.parallel.collectives import ByteCounter, all_reduce, all_to_all
+from course_lib.parallel.collectives import all_reduce, all_to_all
 from course_lib.moe import MoEMLP, Routing, expert_batches, expert_counts, queue_lengths, route
 
 
@@ -39,12 +39,11 @@ class ExpertParallelMoE(nn.Module):
     (``torch.distributed.nn``).
     """
 
-    def __init__(self, moe: MoEMLP, group: dist.ProcessGroup | None = None, counter: ByteCounter | None = None,
-                 a2a: str = "by_hand"):
+    def __init__(self, moe: MoEMLP, group: dist.ProcessGroup | None = None, a2a: str = "by_hand"):
         super().__init__()
         if a2a not in ("by_hand", "torch"):
-            raise ValueError(f"a2a must be 'by_hand' (counted) or 'torch' (torch.distributed.nn), got {a2a!r}")
-        self.group, self.counter, self.a2a = group, counter, a2a
+            raise ValueError(f"a2a must be 'by_hand' (_AllToAll) or 'torch' (torch.distributed.nn), got {a2a!r}")
+        self.group, self.a2a = group, a2a
         self.ep, self.shard = dist.get_world_size(group), dist.get_rank(group)
         self.per = experts_per_rank(moe.n_experts, self.ep)
         self.n_experts, self.k, self.capacity_factor = moe.n_experts, moe.k, moe.capacity_factor
@@ -57,18 +56,18 @@ class ExpertParallelMoE(nn.Module):
         self.recv_splits: list[int] = []
 
     def _send(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
-        if self.a2a == "torch":  # the real API: autograd built in, no byte counting
+        if self.a2a == "torch":  # the real API: autograd built in
             from torch.distributed.nn.functional import all_to_all_single
             return all_to_all_single(x.new_empty((sum(out_splits), *x.shape[1:])), x.contiguous(),
                                      out_splits, in_splits, group=self.group)
-        return _AllToAll.apply(x, out_splits, in_splits, self.group, self.counter)
+        return _AllToAll.apply(x, out_splits, in_splits, self.group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
         n = tokens.shape[0]
         r = route(self.router(tokens), self.k, self.capacity_factor)
         self.routing = r
-        self.aux_loss = group_load_balancing_loss(r.probs, r.expert[:, 0], self.counter, self.group)
+        self.aux_loss = group_load_balancing_loss(r.probs, r.expert[:, 0], self.group)
         gate = r.gate.t().reshape(-1)
         # 1. counts. The splits are host integers, read twice per layer on purpose: this rank's queues (one wait
         # for the device) and, after the counts' all-to-all, what the others send. Implementations with fixed
@@ -76,7 +75,7 @@ class ExpertParallelMoE(nn.Module):
         lengths = queue_lengths(r)
         kept = [min(q, r.capacity) for q in lengths]  # rows this rank sends each expert
         a = torch.cat(expert_batches(r, lengths))  # kept choices sorted by expert, so by destination rank
-        recv_counts = exchange_counts(torch.tensor(kept, device=tokens.device), self.ep, self.counter, self.group)
+        recv_counts = exchange_counts(torch.tensor(kept, device=tokens.device), self.ep, self.group)
         recv = recv_counts.tolist()  # (ep, E/e): rows from each rank for each local expert
         send_splits = [sum(kept[q * self.per:(q + 1) * self.per]) for q in range(self.ep)]
         recv_splits = [sum(row) for row in recv]
@@ -107,30 +106,29 @@ class _AllToAll(torch.autograd.Function):
     """Rows out by ``in_splits``, in by ``out_splits``; the backward sends the gradients back (splits swapped)."""
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, counter):
-        ctx.splits, ctx.group, ctx.counter = (out_splits, in_splits), group, counter
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        all_to_all(out, x.contiguous(), out_splits, in_splits, counter, group)
+        all_to_all(out, x.contiguous(), out_splits, in_splits, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
         back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        all_to_all(back, grad.contiguous(), in_splits, out_splits, ctx.counter, ctx.group)
-        return back, None, None, None, None
+        all_to_all(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
 
 
-def exchange_counts(counts: torch.Tensor, ep: int, counter: ByteCounter | None = None,
-                    group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def exchange_counts(counts: torch.Tensor, ep: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Send each rank the counts of its experts; return ``(ep, E/e)``: row ``r`` = what rank ``r`` will send me."""
     per = experts_per_rank(counts.numel(), ep)
     received = torch.empty_like(counts)
-    all_to_all(received, counts, [per] * ep, [per] * ep, counter, group, op="counts")
+    all_to_all(received, counts, [per] * ep, [per] * ep, group=group)
     return received.view(ep, per)
 
 
-def group_load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor, counter: ByteCounter | None = None,
+def group_load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor,
                               group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Switch's ``E * sum_i f_i P_i`` over the tokens of all of ``group``'s ranks; the gradient of this rank's.
 
@@ -152,7 +150,7 @@ def group_load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor, c
     # tokens and the sum over ranks, which the router's gradient sync takes, would be e times the one-process
     # gradient. Here the other ranks' sums enter as constants and this rank's own sum carries the gradient: no
     # collective in the backward. Cost: 2E + 1 numbers per forward, one latency-bound message.
-    all_reduce(stats, counter=counter, group=group)
+    all_reduce(stats, group=group)
     counts, sums, n = stats[:n_experts], stats[n_experts:2 * n_experts], stats[-1]
     f = counts / n  # no gradient
     # value: the group's sums exactly (mine - mine.detach() is 0); gradient: d/d(mine) only
