@@ -9,6 +9,7 @@ and the saved activations per rank.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import queue
@@ -18,8 +19,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from course_lib.parallel.context_parallel import layout
 from course_lib.parallel.context_parallel import ring_attention as cp
 from course_lib.experiments import launch
+from course_lib.experiments.cp_checks import OPS, MeasuredRing, sent_per_pass
 from course_lib.experiments.run_config import RunConfig
 from course_lib.experiments.workers.cp_compare import CPReport
 
@@ -30,24 +33,24 @@ CFG = RunConfig(vocab=40, d_model=32, n_heads=4, n_layers=2, seq_len=16, batch=2
 
 
 def test_layouts_cover_the_sequence_once() -> None:
-    for layout in cp.LAYOUTS:
+    for name in layout.LAYOUTS:
         for c in (1, 2, 4):
-            got = torch.cat([cp.positions(16, c, r, layout) for r in range(c)])
+            got = torch.cat([layout.positions(16, c, r, name) for r in range(c)])
             assert sorted(got.tolist()) == list(range(16))
-    assert cp.positions(16, 4, 1, "zigzag").tolist() == [2, 3, 12, 13]  # chunks 1 and 2c-1-1 = 6
-    assert cp.positions(16, 4, 1, "plain").tolist() == [4, 5, 6, 7]
+    assert layout.positions(16, 4, 1, "zigzag").tolist() == [2, 3, 12, 13]  # chunks 1 and 2c-1-1 = 6
+    assert layout.positions(16, 4, 1, "plain").tolist() == [4, 5, 6, 7]
     x = torch.randn(3, 16, 5)
-    parts = [cp.shard(x, 4, r, "zigzag") for r in range(4)]
-    assert torch.equal(cp.unshard(parts, "zigzag"), x)
+    parts = [layout.shard(x, 4, r, "zigzag") for r in range(4)]
+    assert torch.equal(layout.unshard(parts, "zigzag"), x)
 
 
 def test_bad_input_says_what_to_do() -> None:
     with pytest.raises(ValueError, match=r"not divisible by 2c = 8.*pad the sequence"):
-        cp.positions(12, 4, 0)
+        layout.positions(12, 4, 0)
     with pytest.raises(ValueError, match="unknown layout"):
-        cp.check_layout(16, 2, "striped")
+        layout.check_layout(16, 2, "striped")
     with pytest.raises(ValueError, match="positive int"):
-        cp.check_layout(16, 0)
+        layout.check_layout(16, 0)
     with pytest.raises(ValueError, match="T/c = 4"):
         cp.ring_attention(*(torch.randn(1, 1, 8, 2) for _ in range(3)), cp.Ring(16, world=4, rank=0))
 
@@ -55,11 +58,11 @@ def test_bad_input_says_what_to_do() -> None:
 def test_causal_work_per_rank() -> None:
     c, T = 4, 64
     n = T // c
-    plain = cp.causal_pairs(T, c, "plain")
+    plain = layout.causal_pairs(T, c, "plain")
     assert plain[0] == n * (n + 1) // 2 and plain[-1] == (c - 1) * n * n + n * (n + 1) // 2
     assert plain[-1] / plain[0] == pytest.approx(((2 * c - 1) * n + 1) / (n + 1))  # -> 2c - 1 as n grows
-    assert len(set(cp.causal_pairs(T, c, "zigzag"))) == 1
-    assert sum(cp.causal_pairs(T, c, "zigzag")) == T * (T + 1) // 2
+    assert len(set(layout.causal_pairs(T, c, "zigzag"))) == 1
+    assert sum(layout.causal_pairs(T, c, "zigzag")) == T * (T + 1) // 2
 
 
 def _reference(q, k, v):
@@ -106,7 +109,7 @@ def test_blockwise_backward_equals_autograd() -> None:
 def test_one_rank_ring_is_plain_attention() -> None:
     torch.manual_seed(2)
     q, k, v = (torch.randn(2, 2, 8, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    ring = cp.Ring(8)
+    ring = MeasuredRing(8)
     out = cp.ring_attention(q, k, v, ring)
     assert torch.allclose(out, _reference(q, k, v), atol=1e-14, rtol=0)
     assert ring.pairs == [36] and ring.counter.bytes == 0
@@ -128,15 +131,15 @@ def test_bytes_formula() -> None:
 
 
 @dataclasses.dataclass
-class _ThreadRing(cp.Ring):
+class _ThreadTransport(cp.Ring):
     """A rank of a ring whose ranks are threads of this process: each hop goes through the right one's queue for
     its tag (a K, V and a dK, dV message may be in flight at once); ``log`` gets (rank, "post" or "wait", op)."""
 
     boxes: list[dict[int, queue.Queue]] = dataclasses.field(default_factory=list)
     log: list[tuple[int, str, str]] | None = None
 
-    def pass_on(self, tensors, op, tag=0):
-        self.counter.add(op, sum(cp.nbytes(t) for t in tensors))
+    def pass_on(self, tensors, tag):
+        op = OPS[tag]
         self.boxes[(self.rank + 1) % self.world][tag].put([t.clone() for t in tensors])
         bufs = [torch.empty_like(t) for t in tensors]
         box, ring = self.boxes[self.rank][tag], self
@@ -152,17 +155,24 @@ class _ThreadRing(cp.Ring):
         return Hop(), bufs
 
 
-def _ring_in_threads(q, k, v, grad, c: int, layout: str = "zigzag", log: list | None = None, timed: bool = False):
+@dataclasses.dataclass
+class _ThreadRing(MeasuredRing, _ThreadTransport):
+    """The thread ring with the harness's instruments plugged in: bytes per message, work and seconds per pass."""
+
+
+def _ring_in_threads(q, k, v, grad, c: int, name: str = "zigzag", log: list | None = None, timed: bool = False):
     """Ring attention over ``c`` thread ranks (the real forward and backward): output, dq, dk, dv and the rings."""
-    boxes = [{cp.KV_TAG: queue.Queue(), cp.DKV_TAG: queue.Queue()} for _ in range(c)]
+    boxes = [{tag: queue.Queue() for tag in OPS} for _ in range(c)]
     results, errors = [None] * c, []
 
     def rank(r: int) -> None:
         try:
-            ring = _ThreadRing(q.shape[-2], layout, c, r, timed=timed, boxes=boxes, log=log)
-            mine = [cp.shard(t, c, r, layout, dim=2).clone().requires_grad_() for t in (q, k, v)]
-            out = cp.ring_attention(*mine, ring)
-            out.backward(cp.shard(grad, c, r, layout, dim=2))
+            ring = _ThreadRing(q.shape[-2], name, c, r, boxes=boxes, log=log)
+            mine = [layout.shard(t, c, r, name, dim=2).clone().requires_grad_() for t in (q, k, v)]
+            with ring.timing("forward", q.device) if timed else contextlib.nullcontext():
+                out = cp.ring_attention(*mine, ring)
+            with ring.timing("backward", q.device) if timed else contextlib.nullcontext():
+                out.backward(layout.shard(grad, c, r, name, dim=2))
             results[r] = (out.detach(), *(t.grad for t in mine), ring)
         except BaseException as exc:  # noqa: BLE001 - raised again below, in the test's thread
             errors.append(exc)
@@ -173,7 +183,7 @@ def _ring_in_threads(q, k, v, grad, c: int, layout: str = "zigzag", log: list | 
         t.join()
     if errors:
         raise errors[0]
-    return [cp.unshard([res[i] for res in results], layout, dim=2) for i in range(4)], [res[4] for res in results]
+    return [layout.unshard([res[i] for res in results], name, dim=2) for i in range(4)], [res[4] for res in results]
 
 
 def _relative_errors(got: list[torch.Tensor], want: list[torch.Tensor]) -> dict[str, float]:
@@ -203,7 +213,7 @@ def test_bf16_ring_is_as_close_to_float64_as_torchs_own_bf16_attention(seed: int
     assert all(t.dtype == torch.bfloat16 for t in got)
     for name, err in errors.items():
         assert err <= 1.5 * yardstick[name], f"{name}: ring {err:.2e}, torch's bf16 attention {yardstick[name]:.2e}"
-    assert cp.sent_per_pass(rings[0].counter) == pytest.approx(cp.ring_bytes_per_layer(64, 2, 32, 4, act_bytes=2))
+    assert sent_per_pass(rings[0].counter) == pytest.approx(cp.ring_bytes_per_layer(64, 2, 32, 4, act_bytes=2))
 
 
 @pytest.mark.parametrize("c", [2, 4])
@@ -217,13 +227,13 @@ def test_ring_in_threads_equals_one_process(c: int, dtype: torch.dtype, tol: flo
     ref = _reference(*exact)
     ref.backward(grad)
     want = [ref.detach(), *(t.grad for t in exact)]
-    for layout in cp.LAYOUTS:
-        got, rings = _ring_in_threads(*(t.to(dtype) for t in (q, k, v, grad)), c, layout)
+    for name in layout.LAYOUTS:
+        got, rings = _ring_in_threads(*(t.to(dtype) for t in (q, k, v, grad)), c, name)
         assert all(t.dtype == dtype for t in got)
-        for name, err in _relative_errors(got, want).items():
-            assert err < tol, (layout, name, err)
-        assert [r.pairs[0] for r in rings] == cp.causal_pairs(16, c, layout)
-        assert [r.scores[0] for r in rings] == cp.tile_scores(16, c, layout)
+        for what, err in _relative_errors(got, want).items():
+            assert err < tol, (name, what, err)
+        assert [r.pairs[0] for r in rings] == layout.causal_pairs(16, c, name)
+        assert [r.scores[0] for r in rings] == layout.tile_scores(16, c, name)
 
 
 @pytest.mark.parametrize("c", [2, 4])
@@ -232,9 +242,9 @@ def test_zigzag_tiles_hold_every_visible_pair(c: int) -> None:
     n, m = T // c, T // (2 * c)
     for i in range(c):
         for j in range(c):
-            q_pos, k_pos = cp.position_list(T, c, i), cp.position_list(T, c, j)
-            tile = cp.Tile.of(q_pos, k_pos, "cpu")
-            mask = cp._visible(torch.tensor(q_pos), torch.tensor(k_pos))
+            q_pos, k_pos = layout.position_list(T, c, i), layout.position_list(T, c, j)
+            tile = layout.Tile.of(q_pos, k_pos, "cpu")
+            mask = layout._visible(torch.tensor(q_pos), torch.tensor(k_pos))
             if j < i:  # all the queries, the first chunk of keys
                 assert (tile.rows, tile.cols) == (slice(0, n), slice(0, m))
             elif j > i:  # the second chunk of queries, all the keys
@@ -250,26 +260,26 @@ def test_work_per_rank_tiles_against_whole_blocks() -> None:
     for c in (1, 2, 4):
         T = 8 * c
         n = T // c
-        tiles, whole = cp.tile_scores(T, c), cp.full_block_scores(T, c)
+        tiles, whole = layout.tile_scores(T, c), layout.full_block_scores(T, c)
         assert tiles == [n * n + (c - 1) * n * n // 2] * c, "own block whole, the others' half"
         assert whole == [c * n * n] * c
-        assert [t - p for t, p in zip(tiles, cp.causal_pairs(T, c))] == [n * (n - 1) // 2] * c, \
+        assert [t - p for t, p in zip(tiles, layout.causal_pairs(T, c))] == [n * (n - 1) // 2] * c, \
             "only the own block's masked half is computed in vain"
         plain = [(r + 1) * n * n for r in range(c)]  # rank r: the blocks of ranks 0..r, whole, no half to cut
-        assert cp.tile_scores(T, c, "plain") == cp.full_block_scores(T, c, "plain") == plain
+        assert layout.tile_scores(T, c, "plain") == layout.full_block_scores(T, c, "plain") == plain
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-14), (torch.float32, 1e-6)])
-@pytest.mark.parametrize("layout", cp.LAYOUTS)
-def test_a_tile_computes_what_the_masked_whole_block_does(layout: str, dtype: torch.dtype, tol: float) -> None:
+@pytest.mark.parametrize("name", layout.LAYOUTS)
+def test_a_tile_computes_what_the_masked_whole_block_does(name: str, dtype: torch.dtype, tol: float) -> None:
     c, T = 4, 32
     g = torch.Generator().manual_seed(4)
     q, k, v, do = (torch.randn(2, 2, T // c, 8, generator=g, dtype=dtype) for _ in range(4))
     delta = (do * torch.randn(q.shape, generator=g, dtype=dtype)).sum(-1, keepdim=True)
     for i in range(c):
         for j in range(c):
-            q_pos, k_pos = cp.position_list(T, c, i, layout), cp.position_list(T, c, j, layout)
-            mask = cp._visible(torch.tensor(q_pos), torch.tensor(k_pos))
+            q_pos, k_pos = layout.position_list(T, c, i, name), layout.position_list(T, c, j, name)
+            mask = layout._visible(torch.tensor(q_pos), torch.tensor(k_pos))
             o_ref, lse_ref = cp.attend(q, k, v, mask)  # the whole block, masked
             o, lse, _ = cp.block_attention(q, k, v, q_pos, k_pos)
             assert torch.allclose(o, o_ref, atol=tol, rtol=0) and torch.allclose(lse, lse_ref, atol=tol, rtol=0)
@@ -343,7 +353,7 @@ def test_ring_equals_one_process_in_float64(rep: CPReport) -> None:
 def test_work_per_rank(rep: CPReport) -> None:
     c, T = rep.world, rep.seq_len
     plain, zigzag = rep.layout("plain"), rep.layout("zigzag")
-    assert plain.pairs == cp.causal_pairs(T, c, "plain") and zigzag.pairs == cp.causal_pairs(T, c, "zigzag")
+    assert plain.pairs == layout.causal_pairs(T, c, "plain") and zigzag.pairs == layout.causal_pairs(T, c, "zigzag")
     n = T // c
     assert plain.pairs[-1] / plain.pairs[0] == pytest.approx(((2 * c - 1) * n + 1) / (n + 1))
     assert len(set(zigzag.pairs)) == 1
@@ -433,3 +443,25 @@ def test_worker_refuses_data_parallel_groups_that_do_not_divide(monkeypatch) -> 
                                      dataclasses.replace(cfg, batch=3).to_json()])
     with pytest.raises(ValueError, match="the batch of 3 sequences"):
         cp_compare.main()
+
+
+def test_the_teaching_files_read_in_one_sitting_and_measure_nothing() -> None:
+    # the instruments (bytes, work, seconds per step) are the harness's MeasuredRing: the ring itself holds none,
+    # and no teaching file of chapter 12 imports the harness or the tooling
+    import ast
+    from pathlib import Path
+
+    from course_lib.parallel.expert_parallel import moe_layer
+
+    files = [*Path(cp.__file__).parent.glob("*.py"), *Path(moe_layer.__file__).parent.glob("*.py")]
+    assert {f.name for f in files} >= {"ring_attention.py", "layout.py", "model.py", "moe_layer.py"}
+    for path in files:
+        text = path.read_text()
+        tree = ast.parse(text)
+        imported = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        assert not [m for m in imported if m.startswith(("course_lib.experiments", "course_lib.tools"))], path.name
+        assert len(text.splitlines()) <= 300, path.name
+        assert len((ast.get_docstring(tree) or "").splitlines()) <= 15, path.name
+    ring = cp.Ring(8)
+    assert not any(hasattr(ring, name) for name in ("counter", "pairs", "scores", "times", "timed"))

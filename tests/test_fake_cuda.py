@@ -53,7 +53,9 @@ from torch._subclasses.fake_tensor import (FakeTensor, FakeTensorDeviceMismatchE
                                             unset_fake_temporarily)
 
 from course_lib import checkpointing, chunked_loss, fp8_linear, models, moe, norms, offload, planner
+from course_lib.parallel.context_parallel import model as cp_model
 from course_lib.parallel.context_parallel import ring_attention as cp
+from course_lib.experiments.cp_checks import MeasuredRing
 from course_lib.parallel.tensor_parallel import layers as tp
 
 CUDA = torch.device("cuda", 0)
@@ -228,7 +230,7 @@ def _tp_block(sequence_parallel: bool) -> Callable[[], torch.Tensor]:
 
 def _ring_attention() -> torch.Tensor:
     q, k, v = (cuda_randn(2, 2, 8, 4).requires_grad_() for _ in range(3))
-    ring = cp.Ring(8)
+    ring = MeasuredRing(8)
     out = cp.ring_attention(q, k, v, ring)
     assert ring.pairs == [36]
     return out
@@ -236,7 +238,7 @@ def _ring_attention() -> torch.Tensor:
 
 def _ring_model() -> torch.Tensor:
     model = to_fake_cuda(_tiny())
-    return cp.model_forward(model, cuda_tokens(32, 2, 8), cp.Ring(8))
+    return cp_model.model_forward(model, cuda_tokens(32, 2, 8), cp.Ring(8))
 
 
 def _ring_blocks() -> torch.Tensor:

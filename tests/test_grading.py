@@ -335,10 +335,10 @@ def chunked_cross_entropy(hidden, weight, bias, targets, chunks):
                 for h, y in zip(hidden.chunk(chunks), targets.chunk(chunks)))  # chunk's log-softmax is saved
     return total / len(hidden)'''},
     "12_context_expert_parallel": {"q1_merge_partials": '''
-def merge_partials(o1, lse1, o2, lse2):
-    w1, w2 = torch.exp(lse1), torch.exp(lse2)        # no running maximum: overflows for large log-sum-exps
-    total = w1 + w2
-    return (w1 * o1 + w2 * o2) / torch.where(total == 0, torch.ones_like(total), total), torch.log(total)''',
+def merge_partials(outs, lses):
+    weights = torch.exp(torch.stack(lses))           # no maximum subtracted: overflows for large log-sum-exps
+    total = weights.sum(0)
+    return (weights * torch.stack(outs)).sum(0) / torch.where(total == 0, torch.ones_like(total), total), torch.log(total)''',
                                    "q2_ring_attention_sim": '''
 def ring_attention_sim(q, k, v, c):
     if not isinstance(c, int) or c < 1 or q.shape[0] % c:
@@ -354,7 +354,7 @@ def ring_attention_sim(q, k, v, c):
             s = ((q[qs] @ k[ks].T) / math.sqrt(d)).masked_fill(pos[ks][None, :] > pos[qs][:, None], float("-inf"))
             lse = torch.logsumexp(s, -1, keepdim=True)
             o = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)) @ v[ks]
-            result[r] = (o, lse) if result[r] is None else merge_partials(*result[r], o, lse)
+            result[r] = (o, lse) if result[r] is None else merge_partials([result[r][0], o], [result[r][1], lse])
         held = [held[(r + 1) % c] for r in range(c)]   # receives from the right: the ring runs the wrong way
     return torch.cat([o for o, _ in result]), order'''},
 }

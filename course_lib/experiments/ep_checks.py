@@ -7,17 +7,20 @@ tokens through the one-process layer (each rank computes it: it is small),
 backpropagates ``sum(out * w)``, synchronises the gradients as training would
 (the router's over the world, the experts' over their DP group) and returns an
 ``EPRun``: the differences, the bytes sent, the rows dispatched, the parameters held.
+The bytes are counted from here (``counted``), the layer untouched.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 from course_lib.parallel import collectives as comm
-from course_lib.parallel.collectives import ByteCounter
+from course_lib.parallel.collectives import ByteCounter, nbytes, ring_factor
 from course_lib.parallel.expert_parallel.moe_layer import ExpertParallelMoE
 from course_lib.experiments.results import gather_per_rank, max_over_ranks
 from course_lib.moe import MoEMLP
@@ -65,6 +68,31 @@ def _diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
     return (a - b).abs().max().item() if a.numel() else 0.0
 
 
+@contextlib.contextmanager
+def counted(counter: ByteCounter) -> Iterator[ByteCounter]:
+    """Inside the block, count what this rank sends as chapter 07's counting collectives do: every
+    ``dist.all_to_all_single``'s rows bound for *other* ranks (``all_to_all``; integer tensors, the counts
+    exchange: ``counts``) and every ``dist.all_reduce`` as a ring (``all_reduce``, 2(N-1)/N of its bytes)."""
+    original_a2a, original_ar = dist.all_to_all_single, dist.all_reduce
+
+    def all_to_all_single(out, inp, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        splits = input_split_sizes or [inp.shape[0] // dist.get_world_size(group)] * dist.get_world_size(group)
+        row = nbytes(inp[0]) if inp.shape[0] else 0
+        op = "all_to_all" if inp.is_floating_point() else "counts"
+        counter.add(op, row * (sum(splits) - splits[dist.get_rank(group)]))
+        return original_a2a(out, inp, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+    def all_reduce(t, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        counter.add("all_reduce", ring_factor("all_reduce", dist.get_world_size(group)) * nbytes(t))
+        return original_ar(t, op=op, group=group, async_op=async_op)
+
+    dist.all_to_all_single, dist.all_reduce = all_to_all_single, all_reduce
+    try:
+        yield counter
+    finally:
+        dist.all_to_all_single, dist.all_reduce = original_a2a, original_ar
+
+
 def run_layer(ep_group: dist.ProcessGroup, dp_group: dist.ProcessGroup, k: int, capacity_factor: float,
               a2a: str = "by_hand", *, experts: int, d_model: int, hidden: int, tokens: int, seed: int = 0) -> EPRun:
     """The EP layer of ``experts`` experts on this rank's ``tokens`` tokens, against the one-process layer on all of
@@ -80,14 +108,15 @@ def run_layer(ep_group: dist.ProcessGroup, dp_group: dist.ProcessGroup, k: int, 
     mine = slice(rank * tokens, (rank + 1) * tokens)
 
     counter = ByteCounter()
-    layer = ExpertParallelMoE(full, ep_group, counter if a2a == "by_hand" else None, a2a)
+    layer = ExpertParallelMoE(full, ep_group, a2a)
     x_ref = x.clone().requires_grad_()
     ref_out = full(x_ref)
     (ref_out * w).sum().backward()
     ref_out = ref_out.detach()
     x_mine = x[mine].clone().requires_grad_()
-    out = layer(x_mine)
-    (out * w[mine]).sum().backward()
+    with counted(counter) if a2a == "by_hand" else contextlib.nullcontext():  # torch's all-to-all: not counted
+        out = layer(x_mine)
+        (out * w[mine]).sum().backward()
     # gradient synchronisation: replicated router over the world, each expert over the ranks that hold it
     sync = ByteCounter()
     for p in layer.router.parameters():

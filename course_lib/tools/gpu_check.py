@@ -240,6 +240,7 @@ def check_tp_block(device: torch.device) -> Measured:
 
 def check_ring_attention(device: torch.device) -> Measured:
     """Ring attention in one process against torch's attention, in bf16; a model's forward and backward over it."""
+    from course_lib.parallel.context_parallel import model as cp_model
     from course_lib.parallel.context_parallel import ring_attention as cp
     from course_lib.models import lm_loss
 
@@ -249,7 +250,7 @@ def check_ring_attention(device: torch.device) -> Measured:
     diff = (out - F.scaled_dot_product_attention(q, k, v, is_causal=True)).abs().max().item()
     model = _transformer(device)
     idx = _tokens(256, 4, 128, device)
-    _train_step(model, lambda: lm_loss(cp.model_forward(model, idx, cp.Ring(128)), idx), device)
+    _train_step(model, lambda: lm_loss(cp_model.model_forward(model, idx, cp.Ring(128)), idx), device)
     return Measured(note=f"bf16 ring vs torch's attention: {diff:.1e}")
 
 

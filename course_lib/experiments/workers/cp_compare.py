@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from course_lib.parallel.context_parallel import ring_attention as cp
+from course_lib.parallel.context_parallel import layout as cp_layout
 from course_lib.experiments import cp_checks
 from course_lib.experiments import launch
 from course_lib.experiments.cp_checks import LayoutResult
@@ -61,11 +61,11 @@ def run_tasks(a: argparse.Namespace, rank: int, world: int, device: torch.device
     cfg, tasks = RunConfig.from_json(a.cfg), launch.pick(a.tasks, TASKS)
     # a clear error on every rank before any message: the saved and train tasks' rings have world/dp ranks
     for ring_ranks in {world // a.dp if t in ("saved", "train") else world for t in tasks}:
-        cp.check_layout(cfg.seq_len, ring_ranks)
+        cp_layout.check_layout(cfg.seq_len, ring_ranks)
     seed_everything(cfg.seed)
     report = CPReport(world=world, seq_len=cfg.seq_len)
     if "exact" in tasks:
-        report.layouts = [cp_checks.run_layout(cfg, layout, device) for layout in cp.LAYOUTS]
+        report.layouts = [cp_checks.run_layout(cfg, layout, device) for layout in cp_layout.LAYOUTS]
     if "saved" in tasks:
         report.saved = cp_checks.run_saved(cfg, device, a.dp)
     if "train" in tasks:

@@ -1,38 +1,17 @@
 """Expert parallelism: the experts of a mixture-of-experts layer spread over ranks (chapter 12).
 
-``e`` ranks form an expert-parallel (EP) group; each holds ``E/e`` of the
-``E`` experts and a copy of everything else (the router here; attention and
-norms in a model). Each rank routes its own tokens (``moe.route``), then:
-
-1. **counts**: an all-to-all of the per-expert counts, so that every rank knows
-   how many rows it will receive from each other rank (the splits are uneven:
-   the router decides them);
-2. **dispatch**: an all-to-all of the token rows, sorted by expert, so by
-   destination rank (rank ``q`` holds experts ``q E/e .. (q+1) E/e - 1``);
-3. the local experts run on what arrived;
-4. **combine**: the reverse all-to-all brings every output row home, where it is
-   gated and summed per token as in one process.
-
-The backward of an all-to-all is the all-to-all with the splits swapped (the
-rows go back where they came from). Expert gradients arrive complete (every
-token of the group reached its expert); the replicated router's are partial
-sums over each rank's tokens and are all-reduced like data parallelism's. With
-EP x DP (``world = e * d``), ranks holding the same experts form a DP group:
-expert gradients are all-reduced over it only, the router's over the world.
-
-The auxiliary load-balancing loss (``moe.load_balancing_loss``, Switch's
-``E * sum_i f_i P_i``) is the group's: ``f_i`` and ``P_i`` are means over every
-token of the EP group, so each rank all-reduces its per-expert first-choice
-counts, its per-expert sums of router probabilities and its token count (one
-all-reduce of ``2E + 1`` numbers per layer and forward). Every rank's
-``aux_loss`` then equals the one-process layer's on the group's tokens, and
-its gradient on a rank is the share of that rank's own tokens, so that the
-router gradients summed over the group are the one-process ones (with EP x DP,
-summed over the world: the gradient of the EP groups' aux losses added up).
-
-Bytes a rank sends per layer and all-to-all: the rows bound for other ranks;
-with even routing ``(e-1)/e * k T_r * d_model * b`` for ``T_r`` tokens per
-rank, and four all-to-alls per layer (dispatch, combine, their backwards).
+``e`` ranks form an expert-parallel (EP) group; each holds ``E/e`` of the ``E``
+experts and a copy of everything else (the router here). Each rank routes its
+own tokens (``moe.route``); ``ExpertParallelMoE.forward`` then 1. exchanges the
+per-expert counts (an all-to-all: the splits are uneven, the router decides them),
+2. **dispatches** the token rows to their experts' ranks (``all_to_all``), 3. runs
+its experts on what arrived, 4. **combines**: the reverse all-to-all brings every
+output row home, where it is gated and summed per token as in one process. The
+backward of an all-to-all is the all-to-all with the splits swapped (``_AllToAll``).
+Expert gradients arrive complete; the replicated router's are partial sums, all-
+reduced as in data parallelism (with EP x DP the experts' over their DP group only).
+The load-balancing loss is the group's (``group_load_balancing_loss``). Bytes per
+rank, layer and all-to-all under even routing: ``(e-1)/e * k T_r * d_model * b``.
 """
 
 from __future__ import annotations
@@ -43,8 +22,76 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib.parallel.collectives import ByteCounter, all_reduce, all_to_all
+from course_lib.parallel.collectives import all_reduce, all_to_all
 from course_lib.moe import MoEMLP, Routing, expert_batches, expert_counts, queue_lengths, route
+
+
+class ExpertParallelMoE(nn.Module):
+    """This rank's part of a ``MoEMLP`` on an EP group: the router copied, experts ``shard*E/e .. (shard+1)*E/e``.
+
+    ``forward`` keeps ``routing``, ``aux_loss`` (as ``MoEMLP`` does, but over the
+    whole EP group's tokens: ``group_load_balancing_loss``) and
+    ``send_splits``/``recv_splits`` (rows of the dispatch buffers, per peer).
+    Each rank adds ``alpha * aux_loss`` to its loss; the router's gradients,
+    summed over the ranks, are then the one-process layer's (averaged over
+    ``e`` ranks instead, the aux term's would be ``1/e`` of it). ``a2a`` swaps
+    the hand-written all-to-all for torch's differentiable one
+    (``torch.distributed.nn``).
+    """
+
+    def __init__(self, moe: MoEMLP, group: dist.ProcessGroup | None = None, a2a: str = "by_hand"):
+        super().__init__()
+        if a2a not in ("by_hand", "torch"):
+            raise ValueError(f"a2a must be 'by_hand' (_AllToAll) or 'torch' (torch.distributed.nn), got {a2a!r}")
+        self.group, self.a2a = group, a2a
+        self.ep, self.shard = dist.get_world_size(group), dist.get_rank(group)
+        self.per = experts_per_rank(moe.n_experts, self.ep)
+        self.n_experts, self.k, self.capacity_factor = moe.n_experts, moe.k, moe.capacity_factor
+        self.router = copy.deepcopy(moe.router)
+        first = self.shard * self.per
+        self.experts = nn.ModuleList(copy.deepcopy(moe.experts[i]) for i in range(first, first + self.per))
+        self.routing: Routing | None = None
+        self.aux_loss: torch.Tensor | None = None
+        self.send_splits: list[int] = []
+        self.recv_splits: list[int] = []
+
+    def _send(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+        if self.a2a == "torch":  # the real API: autograd built in
+            from torch.distributed.nn.functional import all_to_all_single
+            return all_to_all_single(x.new_empty((sum(out_splits), *x.shape[1:])), x.contiguous(),
+                                     out_splits, in_splits, group=self.group)
+        return _AllToAll.apply(x, out_splits, in_splits, self.group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        n = tokens.shape[0]
+        r = route(self.router(tokens), self.k, self.capacity_factor)
+        self.routing = r
+        self.aux_loss = group_load_balancing_loss(r.probs, r.expert[:, 0], self.group)
+        gate = r.gate.t().reshape(-1)
+        # 1. counts. The splits are host integers, read twice per layer on purpose: this rank's queues (one wait
+        # for the device) and, after the counts' all-to-all, what the others send. Implementations with fixed
+        # shapes pad every expert's slot to the capacity instead and read nothing (dispatch_buffer_bytes)
+        lengths = queue_lengths(r)
+        kept = [min(q, r.capacity) for q in lengths]  # rows this rank sends each expert
+        a = torch.cat(expert_batches(r, lengths))  # kept choices sorted by expert, so by destination rank
+        recv_counts = exchange_counts(torch.tensor(kept, device=tokens.device), self.ep, self.group)
+        recv = recv_counts.tolist()  # (ep, E/e): rows from each rank for each local expert
+        send_splits = [sum(kept[q * self.per:(q + 1) * self.per]) for q in range(self.ep)]
+        recv_splits = [sum(row) for row in recv]
+        # 2. dispatch: every kept choice's token row to its expert's rank; they arrive by source rank, then expert
+        arrived = self._send(tokens[a % n], recv_splits, send_splits)
+        # 3. the local experts, regrouped by expert: a stable sort keeps each expert's rows in source-rank order
+        local = torch.arange(self.per, device=tokens.device).repeat(self.ep).repeat_interleave(
+            recv_counts.reshape(-1), output_size=sum(recv_splits))
+        perm = torch.argsort(local, stable=True)
+        per_expert = [sum(col) for col in zip(*recv)]
+        done = torch.cat([m(rows) for m, rows in zip(self.experts, arrived[perm].split(per_expert))])
+        # 4. combine: the rows back home in send order (splits swapped), gated and summed per token
+        home = self._send(done[torch.argsort(perm)], send_splits, recv_splits)
+        self.send_splits, self.recv_splits = send_splits, recv_splits
+        out = torch.zeros_like(tokens).index_add(0, a % n, (home * gate[a, None]).to(tokens.dtype))
+        return out.reshape(x.shape)
 
 
 def experts_per_rank(n_experts: int, ep: int) -> int:
@@ -59,30 +106,29 @@ class _AllToAll(torch.autograd.Function):
     """Rows out by ``in_splits``, in by ``out_splits``; the backward sends the gradients back (splits swapped)."""
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, counter):
-        ctx.splits, ctx.group, ctx.counter = (out_splits, in_splits), group, counter
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        all_to_all(out, x.contiguous(), out_splits, in_splits, counter, group)
+        all_to_all(out, x.contiguous(), out_splits, in_splits, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
         back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        all_to_all(back, grad.contiguous(), in_splits, out_splits, ctx.counter, ctx.group)
-        return back, None, None, None, None
+        all_to_all(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
 
 
-def exchange_counts(counts: torch.Tensor, ep: int, counter: ByteCounter | None = None,
-                    group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def exchange_counts(counts: torch.Tensor, ep: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Send each rank the counts of its experts; return ``(ep, E/e)``: row ``r`` = what rank ``r`` will send me."""
     per = experts_per_rank(counts.numel(), ep)
     received = torch.empty_like(counts)
-    all_to_all(received, counts, [per] * ep, [per] * ep, counter, group, op="counts")
+    all_to_all(received, counts, [per] * ep, [per] * ep, group=group)
     return received.view(ep, per)
 
 
-def group_load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor, counter: ByteCounter | None = None,
+def group_load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor,
                               group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Switch's ``E * sum_i f_i P_i`` over the tokens of all of ``group``'s ranks; the gradient of this rank's.
 
@@ -104,80 +150,12 @@ def group_load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor, c
     # tokens and the sum over ranks, which the router's gradient sync takes, would be e times the one-process
     # gradient. Here the other ranks' sums enter as constants and this rank's own sum carries the gradient: no
     # collective in the backward. Cost: 2E + 1 numbers per forward, one latency-bound message.
-    all_reduce(stats, counter=counter, group=group)
+    all_reduce(stats, group=group)
     counts, sums, n = stats[:n_experts], stats[n_experts:2 * n_experts], stats[-1]
     f = counts / n  # no gradient
     # value: the group's sums exactly (mine - mine.detach() is 0); gradient: d/d(mine) only
     p = (sums + (mine - mine.detach())) / n
     return n_experts * (f * p).sum()
-
-
-class ExpertParallelMoE(nn.Module):
-    """This rank's part of a ``MoEMLP`` on an EP group: the router copied, experts ``shard*E/e .. (shard+1)*E/e``.
-
-    ``forward`` keeps ``routing``, ``aux_loss`` (as ``MoEMLP`` does, but over the
-    whole EP group's tokens: ``group_load_balancing_loss``) and
-    ``send_splits``/``recv_splits`` (rows of the dispatch buffers, per peer).
-    Each rank adds ``alpha * aux_loss`` to its loss; the router's gradients,
-    summed over the ranks, are then the one-process layer's (averaged over
-    ``e`` ranks instead, the aux term's would be ``1/e`` of it). ``a2a`` swaps
-    the hand-written all-to-all for torch's differentiable one
-    (``torch.distributed.nn``).
-    """
-
-    def __init__(self, moe: MoEMLP, group: dist.ProcessGroup | None = None, counter: ByteCounter | None = None,
-                 a2a: str = "by_hand"):
-        super().__init__()
-        if a2a not in ("by_hand", "torch"):
-            raise ValueError(f"a2a must be 'by_hand' (counted) or 'torch' (torch.distributed.nn), got {a2a!r}")
-        self.group, self.counter, self.a2a = group, counter, a2a
-        self.ep, self.shard = dist.get_world_size(group), dist.get_rank(group)
-        self.per = experts_per_rank(moe.n_experts, self.ep)
-        self.n_experts, self.k, self.capacity_factor = moe.n_experts, moe.k, moe.capacity_factor
-        self.router = copy.deepcopy(moe.router)
-        first = self.shard * self.per
-        self.experts = nn.ModuleList(copy.deepcopy(moe.experts[i]) for i in range(first, first + self.per))
-        self.routing: Routing | None = None
-        self.aux_loss: torch.Tensor | None = None
-        self.send_splits: list[int] = []
-        self.recv_splits: list[int] = []
-
-    def _send(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
-        if self.a2a == "torch":  # the real API: autograd built in, no byte counting
-            from torch.distributed.nn.functional import all_to_all_single
-            return all_to_all_single(x.new_empty((sum(out_splits), *x.shape[1:])), x.contiguous(),
-                                     out_splits, in_splits, group=self.group)
-        return _AllToAll.apply(x, out_splits, in_splits, self.group, self.counter)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tokens = x.reshape(-1, x.shape[-1])
-        n = tokens.shape[0]
-        r = route(self.router(tokens), self.k, self.capacity_factor)
-        self.routing = r
-        self.aux_loss = group_load_balancing_loss(r.probs, r.expert[:, 0], self.counter, self.group)
-        gate = r.gate.t().reshape(-1)
-        # the splits are host integers, read twice per layer on purpose: this rank's queues (one wait for the
-        # device) and, after the counts' all-to-all, what the others send. Implementations with fixed shapes pad
-        # every expert's slot to the capacity instead and read nothing (dispatch_buffer_bytes)
-        lengths = queue_lengths(r)
-        kept = [min(q, r.capacity) for q in lengths]  # rows this rank sends each expert
-        a = torch.cat(expert_batches(r, lengths))  # kept choices sorted by expert, so by destination rank
-        recv_counts = exchange_counts(torch.tensor(kept, device=tokens.device), self.ep, self.counter, self.group)
-        recv = recv_counts.tolist()  # (ep, E/e): rows from each rank for each local expert
-        send_splits = [sum(kept[q * self.per:(q + 1) * self.per]) for q in range(self.ep)]
-        recv_splits = [sum(row) for row in recv]
-        arrived = self._send(tokens[a % n], recv_splits, send_splits)  # rows by source rank, then local expert
-        # regroup by local expert: a stable sort keeps each expert's rows in source-rank order
-        local = torch.arange(self.per, device=tokens.device).repeat(self.ep).repeat_interleave(
-            recv_counts.reshape(-1), output_size=sum(recv_splits))
-        perm = torch.argsort(local, stable=True)
-        per_expert = [sum(col) for col in zip(*recv)]
-        outs = [m(rows) for m, rows in zip(self.experts, arrived[perm].split(per_expert))]
-        done = torch.cat(outs)
-        home = self._send(done[torch.argsort(perm)], send_splits, recv_splits)  # rows back in send order
-        self.send_splits, self.recv_splits = send_splits, recv_splits
-        out = torch.zeros_like(tokens).index_add(0, a % n, (home * gate[a, None]).to(tokens.dtype))  # as combine
-        return out.reshape(x.shape)
 
 
 def params_per_rank(d_model: int, d_hidden: int, n_experts: int, ep: int) -> dict[str, int]:

@@ -1,0 +1,143 @@
+"""Which positions each rank of the ring holds, and which part of a block its queries can see (chapter 12).
+
+Causal masking makes a plain split unfair: rank ``r``'s queries see the keys of
+ranks ``0..r`` only, so the last rank computes about ``2c - 1`` times what the
+first does. The zigzag layout cuts the sequence into ``2c`` chunks and gives
+rank ``r`` chunks ``r`` and ``2c-1-r``: an early and a late chunk, the same work
+on every rank (ring-flash-attention's, Megatron-LM's and Llama 3's layout; torch's
+``context_parallel`` uses it too; Striped Attention deals tokens round-robin).
+
+Under the zigzag a rank's queries against another rank's block see a rectangle
+of it, wholly visible: all queries against the block's first chunk (``j < i``),
+or the second chunk of queries against all keys (``j > i``). Only the own block
+needs the causal mask. ``Tile`` is that rectangle: ``(c+1)/2 (T/c)^2`` scores
+per rank, sequence and head instead of the ``c (T/c)^2`` of whole blocks.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+LAYOUTS = ("plain", "zigzag")
+Positions = Sequence[int] | torch.Tensor  # global positions: host integers, or a tensor of them on the host
+
+
+def check_layout(T: int, c: int, layout: str = "zigzag") -> None:
+    """Raise a clear ``ValueError`` unless ``T`` positions can be laid out over ``c`` ranks as ``layout``.
+
+    Both layouts cut the sequence into ``2c`` equal chunks (the zigzag needs
+    them; the plain split uses the same chunks, so the two compare tile for tile).
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    if not isinstance(c, int) or c < 1:
+        raise ValueError(f"the context-parallel size must be a positive int, got {c!r}")
+    if not isinstance(T, int) or T < 1 or T % (2 * c):
+        raise ValueError(f"sequence length {T!r} is not divisible by 2c = {2 * c}: each of the {c} ranks holds two "
+                         f"chunks of T/(2c) positions; pad the sequence to a multiple of {2 * c} or choose another c")
+
+
+def position_list(T: int, c: int, rank: int, layout: str = "zigzag") -> list[int]:
+    """The global positions rank ``rank`` holds, in order, as host integers: ``T/c`` contiguous ones (``plain``),
+    or chunks ``rank`` and ``2c-1-rank`` of ``T/(2c)`` each (``zigzag``)."""
+    check_layout(T, c, layout)
+    if not 0 <= rank < c:
+        raise ValueError(f"rank {rank} is not in 0..{c - 1}")
+    n, m = T // c, T // (2 * c)
+    if layout == "plain":
+        return list(range(rank * n, (rank + 1) * n))
+    return [*range(rank * m, (rank + 1) * m), *range((2 * c - 1 - rank) * m, (2 * c - rank) * m)]
+
+
+def positions(T: int, c: int, rank: int, layout: str = "zigzag") -> torch.Tensor:
+    """``position_list`` as a tensor on the host (an index: callers move it where they index)."""
+    return torch.tensor(position_list(T, c, rank, layout))  # host
+
+
+def shard(x: torch.Tensor, c: int, rank: int, layout: str = "zigzag", dim: int = 1) -> torch.Tensor:
+    """Rank ``rank``'s positions of ``x`` along ``dim`` (the sequence dimension)."""
+    return x.index_select(dim, positions(x.shape[dim], c, rank, layout).to(x.device))
+
+
+def unshard(parts: list[torch.Tensor], layout: str = "zigzag", dim: int = 1) -> torch.Tensor:
+    """The whole tensor from every rank's part, in rank order (the inverse of ``shard``)."""
+    c = len(parts)
+    T = parts[0].shape[dim] * c
+    out = torch.empty(*parts[0].shape[:dim], T, *parts[0].shape[dim + 1:], dtype=parts[0].dtype,
+                      device=parts[0].device)
+    for r, p in enumerate(parts):
+        out.index_copy_(dim, positions(T, c, r, layout).to(p.device), p)
+    return out
+
+
+def causal_pairs(T: int, c: int, layout: str = "zigzag") -> list[int]:
+    """Query-key pairs each rank's queries attend to under the causal mask: the position p sees p + 1 keys."""
+    return [int((positions(T, c, r, layout) + 1).sum()) for r in range(c)]
+
+
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    return k_pos[None, :] <= q_pos[:, None]  # (queries, keys): causal, by global position
+
+
+def _span(qs: list[int], ks: list[int]) -> tuple[int, int, bool]:
+    """Where a block's visible pairs lie: queries ``a:``, keys ``:b``, and whether every pair in there is visible.
+
+    With both position lists ascending (every layout's are), the queries that see
+    some key are those at or after the first key, a suffix of the list; the keys
+    some query sees are those at or before the last query, a prefix. Unsorted
+    positions keep the whole block, masked.
+    """
+    if qs != sorted(qs) or ks != sorted(ks):
+        return 0, len(ks), False
+    a, b = bisect.bisect_left(qs, ks[0]), bisect.bisect_right(ks, qs[-1])
+    return a, b, a < len(qs) and qs[a] >= ks[b - 1]  # the tile's first query comes after its last key
+
+
+@dataclass(frozen=True)
+class Tile:
+    """The part of one query block against one key block that holds its visible pairs, and its causal mask.
+
+    Under the zigzag only the own block is masked (``visible``); the others' tiles
+    are wholly visible (``visible`` is ``None``). Built from the positions on the
+    host, once per hop (the ring keeps it): counting a mask's pairs on a GPU
+    would make the host wait at every hop.
+    """
+
+    rows: slice                    # the queries computed
+    cols: slice                    # the keys computed
+    visible: torch.Tensor | None   # (rows, cols) bool on the device, or None: every pair visible
+    pairs: int                     # visible query-key pairs; 0: nothing to compute
+    scores: int                    # score elements computed, rows x cols (the work, visible or not)
+
+    @classmethod
+    def of(cls, q_pos: Positions, k_pos: Positions, device: torch.device | str) -> "Tile":
+        """The tile of queries at ``q_pos`` against keys at ``k_pos``; pairs counted in Python, the mask (where one
+        is needed) made on ``device`` from the positions (a copy of two index lists, no wait for the device)."""
+        # tensors are read on the host: positions live there (``positions``); a ring passes lists
+        qs, ks = (pos.tolist() if torch.is_tensor(pos) else [int(p) for p in pos] for pos in (q_pos, k_pos))
+        ordered = sorted(ks)
+        pairs = sum(bisect.bisect_right(ordered, q) for q in qs)  # keys at or before each query
+        a, b, whole = _span(qs, ks)
+        mask = None
+        if pairs and not whole:
+            mask = _visible(torch.tensor(qs[a:], device=device), torch.tensor(ks[:b], device=device))
+        return cls(slice(a, len(qs)), slice(0, b), mask, pairs, (len(qs) - a) * b if pairs else 0)
+
+
+def tile_scores(T: int, c: int, layout: str = "zigzag") -> list[int]:
+    """Score elements each rank's forward computes per sequence and head, tiles only: under the zigzag
+    ``n^2 + (c-1) n^2/2`` (own block whole, the others' half), ``n = T/c``."""
+    return [sum(Tile.of(position_list(T, c, r, layout), position_list(T, c, j, layout), "cpu").scores
+                for j in range(c)) for r in range(c)]
+
+
+def full_block_scores(T: int, c: int, layout: str = "zigzag") -> list[int]:
+    """The same count for whole ``n x n`` blocks, masked, every block with a visible pair computed: ``c n^2`` per
+    rank under the zigzag (what a kernel that masks but never slices computes)."""
+    n = T // c
+    return [n * n * sum(Tile.of(position_list(T, c, r, layout), position_list(T, c, j, layout), "cpu").pairs > 0
+                        for j in range(c)) for r in range(c)]

@@ -1,0 +1,83 @@
+"""The tiny transformer with its attention over the ring: each rank runs its ``T/c`` positions (chapter 12).
+
+Every layer but attention works on positions independently, so a rank runs its
+own tokens through the same modules as one process (the position embedding
+reads their *global* positions) and only attention goes round the ring. A
+rank's loss is the sum over its tokens divided by all tokens of the batch, so
+the ranks' shares add up to the mean; the weights are replicated, and each
+gradient is summed over the ranks afterwards, as in data parallelism.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from course_lib.parallel.context_parallel.layout import shard
+from course_lib.parallel.context_parallel.ring_attention import Ring, ring_attention
+
+
+def attention_forward(attn: nn.Module, x: torch.Tensor, ring: Ring) -> torch.Tensor:
+    """``models.CausalSelfAttention``'s computation on this rank's positions, attention over the ring."""
+    B, n, C = x.shape
+    H = attn.n_heads
+    qkv = attn.qkv(x).view(B, n, H, 3, C // H)  # head-major, as in the model
+    q, k, v = (qkv[..., i, :].transpose(1, 2).contiguous() for i in range(3))
+    y = ring_attention(q, k, v, ring)
+    return attn.proj(y.transpose(1, 2).reshape(B, n, C))
+
+
+def block_forward(block: nn.Module, x: torch.Tensor, ring: Ring) -> torch.Tensor:
+    """A ``models.TransformerBlock`` on this rank's positions ``x`` (``B, T/c, C``): attention over the ring,
+    every other layer position-wise, as in one process."""
+    x = x + attention_forward(block.attn, block.ln1(x), ring)
+    return x + block.mlp(block.ln2(x))
+
+
+def model_forward(model: nn.Module, idx: torch.Tensor, ring: Ring) -> torch.Tensor:
+    """A ``models.TinyTransformer``'s logits for this rank's tokens ``idx`` (``B, T/c``), its own weights."""
+    pos = ring.positions().to(idx.device)
+    x = model.embed.tok(idx) + model.embed.pos(pos)
+    for block in model.blocks:
+        x = block_forward(block, x, ring)
+    return model.head(x)
+
+
+def cp_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, ring: Ring) -> torch.Tensor:
+    """This rank's share of the mean next-token loss of the batch ``x, y`` (whole sequences, every rank the same):
+    the sum over its tokens / all tokens of the batch. The shares of the ring's ranks add up to the mean."""
+    local_x, local_y = (shard(t, ring.world, ring.rank, ring.layout) for t in (x, y))
+    return cp_local_loss(model, local_x, local_y, ring, y.numel())
+
+
+def cp_local_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, ring: Ring, tokens: int) -> torch.Tensor:
+    """``cp_loss`` of this rank's positions ``x``, ``y`` (already sharded) over a batch of ``tokens`` tokens."""
+    logits = model_forward(model, x, ring)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum") / tokens
+
+
+def sum_grads(model: nn.Module) -> None:
+    """Sum every parameter's gradient over the ranks: each rank's tokens gave one term."""
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+
+
+_DP_GROUPS: dict[int, list[dist.ProcessGroup]] = {}  # dp -> its rings' groups, made once per process
+
+
+def data_parallel_group(dp: int) -> dist.ProcessGroup | None:
+    """This rank's ring when the ranks form ``dp`` data-parallel groups of ``world / dp`` consecutive ranks, each
+    group one ring over the whole sequence (``None``: the default group). Every rank makes every group, once, as
+    ``new_group`` requires. ``Ring.of(T, group=data_parallel_group(dp))`` is this rank's ring."""
+    world = dist.get_world_size()
+    if dp < 1 or world % dp:
+        raise ValueError(f"{dp} data-parallel groups do not divide the {world} ranks")
+    if dp == 1:
+        return None
+    c = world // dp
+    if dp not in _DP_GROUPS:
+        _DP_GROUPS[dp] = [dist.new_group(list(range(g * c, (g + 1) * c))) for g in range(dp)]
+    return _DP_GROUPS[dp][dist.get_rank() // c]
