@@ -32,7 +32,7 @@ from course_lib.parallel.tensor_parallel.layers import (SEQ, TPBlock, TPGroup, c
                                                     reduce_from_tp, reduce_scatter_to_sequence, sync_replicated_grads)
 from course_lib.parallel.tensor_parallel.torch_api import (CountDTensorComm, block_plan, original_layout, parallelize,
                                           reduce_partial_grads, saved_bytes_in, since, snapshot, to_head_major)
-from course_lib.parallel.sharding.zero import count_fsdp_traffic, held_bytes
+from course_lib.experiments.zero_meters import count_fsdp_traffic, held_bytes
 from course_lib.models import lm_loss
 
 
