@@ -358,3 +358,16 @@ def test_fsdp2_steps_on_one_rank_are_adam_and_held_bytes_are_counted_by_device(o
     assert len(times) == cfg.steps and done == [1, 2, 3]
     assert max(abs(a - b) for a, b in zip(losses, reference(cfg)[0])) < 1e-5
     assert zero_meters.held_bytes_by_device(model, opt) == {"cpu": sum(held_bytes(model, opt).values()), "cuda": 0}
+
+
+def test_the_sharding_modules_import_no_experiment_or_tool() -> None:
+    import ast
+    import pathlib
+
+    import course_lib.parallel.sharding as sharding
+
+    for path in pathlib.Path(sharding.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not [n for n in names if n.startswith(("course_lib.experiments", "course_lib.tools"))], path.name

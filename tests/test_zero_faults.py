@@ -1,9 +1,9 @@
 """ZeroOptimizer when the ranks disagree: a skipped backward, an error on one rank, clipping (chapter 09).
 
-The first three with the opt-in layer ``agreement.GuardedZeroOptimizer`` switched on; the last test counts what the
-plain ``ZeroOptimizer`` hands to torch.distributed, against ZeRO's formula. One launch on 2 gloo ranks (``course_lib.experiments.workers.zero_faults``) with a short
-process-group timeout: a rank left waiting in a collective turns into a failed
-launch within seconds, not a hang.
+The first three with the opt-in layer ``agreement.GuardedZeroOptimizer`` switched on; the last test counts what
+the plain ``ZeroOptimizer`` hands to torch.distributed, against ZeRO's formula. One launch on 2 gloo ranks
+(``course_lib.experiments.workers.zero_faults``) with a short process-group timeout: a rank left waiting in a
+collective turns into a failed launch within seconds, not a hang.
 """
 
 from __future__ import annotations

@@ -11,5 +11,7 @@ process; the notebooks call it, and nothing in ``course_lib.parallel`` imports i
 - ``ddp_checks``, ``zero_checks``, ``tp_checks``, ``cp_checks``, ``ep_checks``: each method against one process.
 - ``pipeline_model``, ``pipeline_steps``: the model cut into stages, and one measured pipeline step.
 - ``step_traces``: one profiled step of DDP or ZeRO per rank.
+- ``zero_meters``: bytes held, collectives issued and bytes sent by the sharded methods; when ZeRO's buckets leave.
+- ``checkpoint_runs``: chapter 09's sharded checkpoints put to the test: a crash during a save, a resume, a reshard.
 - ``workers/``: the entry points ``torchrun`` starts.
 """

@@ -8,7 +8,7 @@ What a crash costs: a folder without ``.metadata`` cannot be loaded, but DCP wou
 checkpoint in the same folder. So every checkpoint is written into ``step_NNNNNN.partial`` and renamed to
 ``step_NNNNNN`` when complete; ``rename`` is atomic on POSIX file systems, so a checkpoint folder either is
 complete or does not exist under that name, and a crash during a save loses only that save.
-(``course_lib.experiments.checkpoint_runs`` crashes, resumes and reshards a run with these three functions.)
+(Chapter 09 crashes, resumes and reshards a run with these three functions: ``checkpoint_runs`` in the experiments.)
 """
 
 from __future__ import annotations

@@ -1,18 +1,17 @@
 """ZeRO stages 1 and 2 by hand (``ZeroOptimizer``), ZeRO-3 as FSDP2, and their formulas (chapter 09).
 
-Data parallelism keeps the parameters, gradients and optimizer state whole on every rank. ZeRO
-(Rajbhandari et al. 2020) splits them over the N ranks: each rank keeps the optimizer state for its
-own 1/N slice of one flat parameter buffer (stage 1) and, at stage 2, only that slice of the gradient.
-One step, for Ψ parameters, as ``ZeroOptimizer`` runs it on every rank:
+Data parallelism keeps the parameters, gradients and optimizer state whole on every rank. ZeRO (Rajbhandari et
+al. 2020) splits them over the N ranks: each rank keeps the optimizer state for its own 1/N slice of one flat
+parameter buffer (stage 1) and, at stage 2, only that slice of the gradient. One step, on every rank:
 
-1. backward, then **reduce-scatter** the gradient: rank r receives slice r of the sum. Stage 1 does it
-   in ``step``; stage 2 bucket by bucket from the gradient hooks (``_on_grad``), during the backward;
+1. backward, then **reduce-scatter** the gradient: rank r receives slice r of the sum. Stage 1 does it in
+   ``step``; stage 2 bucket by bucket from the gradient hooks (``_on_grad``, ``_reduce``), during the backward;
 2. the inner optimizer (Adam, ...) updates slice r only: its state exists for 1/N of the model;
 3. **all-gather** the updated slices (``step``): every rank has the new weights.
 
-Each collective sends (N-1)/N x Ψ elements per rank, 2(N-1)/N x Ψ in all: DDP's all-reduce. Stage 3 (FSDP2,
-``shard_fsdp2``) gathers the weights again for the backward: 1.5x. ``zero_buckets`` holds the flat layout;
-``agreement`` the opt-in layer for ranks that do not all run the same backward.
+For Ψ parameters each collective sends (N-1)/N x Ψ elements per rank: 2(N-1)/N x Ψ, DDP's all-reduce. Stage 3
+(FSDP2, ``shard_fsdp2``) gathers the weights again for the backward: 1.5x. ``zero_buckets`` holds the flat
+layout; ``agreement`` the opt-in layer for ranks that do not all run the same backward.
 """
 
 from __future__ import annotations
@@ -73,11 +72,6 @@ class ZeroOptimizer:
             for i, p in enumerate(self.params):
                 p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
 
-    @property
-    def param_groups(self) -> list[dict]:
-        """The inner optimizer's parameter groups (to change the learning rate)."""
-        return self.optimizer.param_groups
-
     # ----- what the training loop calls --------------------------------------------------------------------------
 
     def zero_grad(self) -> None:
@@ -90,9 +84,7 @@ class ZeroOptimizer:
         self._reduced = False
         self._new_backward()
         if self.stage == 1:
-            self.flat_grads = torch.zeros_like(self.flat_params) if self.flat_grads is None else self.flat_grads.zero_()
-            for i, p in enumerate(self.params):
-                p.grad = self.layout.view(self.flat_grads, i).view_as(p)
+            self._collect().zero_()
             return
         for p in self.params:
             p.grad = None
@@ -214,15 +206,13 @@ class ZeroOptimizer:
     # ----- stage 1: the whole gradient, reduce-scattered in step ------------------------------------------------
 
     def _collect(self) -> torch.Tensor:
-        """The flat gradient buffer, with any ``.grad`` that is not a view of it copied in (``None``: zeros)."""
+        """The flat gradient buffer, every ``.grad`` made a view of it (one made elsewhere copied in, ``None`` zeros)."""
         if self.flat_grads is None:
             self.flat_grads = torch.zeros_like(self.flat_params)
         for i, p in enumerate(self.params):
             slot = self.layout.view(self.flat_grads, i)
-            if p.grad is None:
-                slot.zero_()  # unused this step (or zero_grad was skipped): contributes nothing
-            elif p.grad.data_ptr() != slot.data_ptr():
-                slot.copy_(p.grad.reshape(-1))
+            if p.grad is None or p.grad.data_ptr() != slot.data_ptr():  # zero_grad skipped, or unused: zeros
+                slot.copy_(p.grad.reshape(-1)) if p.grad is not None else slot.zero_()
                 p.grad = slot.view_as(p)
         return self.flat_grads
 
