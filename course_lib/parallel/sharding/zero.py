@@ -107,10 +107,9 @@ class ZeroOptimizer:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale the averaged gradient to a global L2 norm of at most ``max_norm``; return the norm before.
 
-        Call it between the backward(s) and ``step``: only the optimizer sees the averaged gradient (stage 1
-        reduce-scatters here instead of in ``step``; torch's ``clip_grad_norm_`` on the model would clip each
-        rank's own). Every element lies in one rank's slice (the padding is zero), so the squared norm is the
-        sum over ranks of the slices': one all-reduce of one number.
+        Call it between the backward(s) and ``step``: only the optimizer sees the averaged gradient (stage 1 reduce-
+        scatters here; torch's ``clip_grad_norm_`` on the model would clip each rank's own). Every element lies in one
+        rank's slice (the padding is zero): the squared norm is the sum over ranks of the slices', one all-reduce.
         """
         if not max_norm > 0:
             raise ValueError(f"max_norm must be positive, got {max_norm!r}")
@@ -206,7 +205,7 @@ class ZeroOptimizer:
     # ----- stage 1: the whole gradient, reduce-scattered in step ------------------------------------------------
 
     def _collect(self) -> torch.Tensor:
-        """The flat gradient buffer, every ``.grad`` made a view of it (one made elsewhere copied in, ``None`` zeros)."""
+        """The flat gradient buffer, every ``.grad`` a view of it (one made elsewhere copied in, ``None``: zeros)."""
         if self.flat_grads is None:
             self.flat_grads = torch.zeros_like(self.flat_params)
         for i, p in enumerate(self.params):
@@ -255,7 +254,7 @@ def zero_bytes_per_rank(num_params: float, world_size: int, stage: int, param_by
     """
     def part(p: float, g: float, o: float) -> float:
         return memory.zero_memory(num_params, world_size, stage, o, param_bytes=p, grad_bytes=g)
-    return {"params": part(param_bytes, 0, 0), "grads": part(0, grad_bytes, 0),
+    return {"params": part(param_bytes, 0, 0), "grads": part(0, grad_bytes, 0), 
             "optimizer": part(0, 0, optimizer_bytes)}
 
 
@@ -294,11 +293,9 @@ def _check_arguments(model: nn.Module, optimizer_cls: type, stage: int, max_in_f
         raise ValueError(f"optimizer_cls must be an element-wise torch optimizer class ({names}); got "
                          f"{optimizer_cls!r}. Flat shards would change the meaning of per-tensor optimizers.")
     if not (isinstance(max_in_flight, int) and max_in_flight >= 0):
-        raise ValueError(f"max_in_flight must be an int >= 0 (0: wait for each reduce-scatter at once), "
-                         f"got {max_in_flight!r}")
+        raise ValueError(f"max_in_flight must be an int >= 0 (0: wait for each reduce-scatter), got {max_in_flight!r}")
     if not dist.is_initialized():
-        raise RuntimeError("ZeroOptimizer needs a process group: call launch.init_distributed() first "
-                           "(or torch.distributed.init_process_group)")
+        raise RuntimeError("ZeroOptimizer needs a process group: call torch.distributed.init_process_group first")
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameters")
