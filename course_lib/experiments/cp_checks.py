@@ -30,7 +30,8 @@ from course_lib.parallel.context_parallel import ring_attention as cp
 from course_lib.experiments.dp_methods import Method, profile_or_time
 from course_lib.experiments.run_config import RunConfig, build_model, global_batch, local_batch, reference
 from course_lib.experiments.results import gather_per_rank, max_abs_diff
-from course_lib.parallel.sharding.zero import ZeroOptimizer, held_bytes
+from course_lib.experiments.zero_meters import held_bytes
+from course_lib.parallel.sharding.zero import ZeroOptimizer
 from course_lib.models import TransformerBlock, lm_loss
 
 OPS = {cp.KV_TAG: "ring_kv", cp.KV_BACK_TAG: "ring_kv_bwd", cp.DKV_TAG: "ring_dkv"}  # the counter's name per tag

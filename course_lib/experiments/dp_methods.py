@@ -30,7 +30,8 @@ from course_lib.parallel import collectives as comm
 from course_lib.parallel.data_parallel.ddp import counting_allreduce_hook
 from course_lib.experiments.run_config import RunConfig, build_model, local_batch, reference
 from course_lib.experiments.results import gather_per_rank, max_abs_diff, mean_over_ranks
-from course_lib.parallel.sharding.zero import ZeroOptimizer, count_broadcasts, count_fsdp_traffic, held_bytes, shard_fsdp2
+from course_lib.experiments.zero_meters import count_broadcasts, count_fsdp_traffic, held_bytes
+from course_lib.parallel.sharding.zero import ZeroOptimizer, shard_fsdp2
 from course_lib.models import lm_loss
 from course_lib.timing import time_s
 

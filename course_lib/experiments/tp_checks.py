@@ -37,7 +37,7 @@ from course_lib.parallel.tensor_parallel.layers import (SEQ, TPBlock, TPGroup, c
 from course_lib.parallel.tensor_parallel.torch_api import block_plan, parallelize, reduce_partial_grads
 from course_lib.parallel.tensor_parallel.layers import ColumnParallelLinear
 from course_lib.parallel.tensor_parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
-from course_lib.parallel.sharding.zero import count_fsdp_traffic, held_bytes
+from course_lib.experiments.zero_meters import count_fsdp_traffic, held_bytes
 from course_lib.models import lm_loss
 
 

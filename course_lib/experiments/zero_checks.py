@@ -1,9 +1,9 @@
-"""ZeroOptimizer when the ranks do not all do the same thing, against single-process Adam (chapter 09).
+"""ZeroOptimizer on two ranks, against single-process Adam and against ZeRO's formula (chapter 09).
 
-``zero_agreement`` keeps the ranks in step where one of them skips a backward,
-raises, or clips; each function here runs one such case on two ranks, on a
-tiny float64 model (rounding too small to hide a wrong gradient), and returns
-what every rank saw (``course_lib.experiments.workers.zero_faults`` reports them):
+``agreement.GuardedZeroOptimizer`` keeps the ranks in step where one of them skips a backward, raises, or clips;
+the first three functions here run one such case each, the fourth counts what the plain ``ZeroOptimizer`` sends.
+Each runs on a tiny float64 model (rounding too small to hide a wrong gradient) and returns what every rank saw
+(``course_lib.experiments.workers.zero_faults`` reports them):
 
 - ``skip_case``: stage 2 while rank 1 does less than rank 0 (``PLAN``); every
   rank must end with the parameters of single-process Adam on the mean of what
@@ -13,11 +13,14 @@ what every rank saw (``course_lib.experiments.workers.zero_faults`` reports them
   afterwards still works;
 - ``clip_case``: ``ZeroOptimizer.clip_grad_norm_`` under stages 1 and 2 against
   clipping the whole batch's gradient in one process, and torch's
-  ``clip_grad_norm_`` on the model under stage 1, which must raise on every rank.
+  ``clip_grad_norm_`` on the model under stage 1, which must raise on every rank;
+- ``count_case``: every collective a step of the plain ``ZeroOptimizer`` hands to ``torch.distributed``, stages 1
+  and 2, and stage 2 under accumulation: ZeRO's reduce-scatter and all-gather, nothing else.
 """
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +28,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from course_lib.experiments.results import gather_per_rank, max_abs_diff
+from course_lib.experiments.zero_meters import count_collectives
+from course_lib.parallel.sharding.agreement import GuardedZeroOptimizer
 from course_lib.parallel.sharding.zero import ZeroOptimizer
 
 DTYPE = torch.float64
@@ -45,6 +50,18 @@ class SkipCase:
 class TwiceCase:
     errors: list[str]            # per rank: the error it raised ("" if none)
     then_ok: bool                # a normal step afterwards gives equal parameters on every rank
+
+
+@dataclass
+class CountCase:
+    """Per variant (``stage1``, ``stage2``, ``stage2_accum2``), per rank: what one step handed to torch.distributed."""
+
+    ops: dict[str, list[dict[str, int]]]  # collectives by name
+    sent: dict[str, list[float]]          # bytes this rank sent, ring formulas of the tensors handed over
+    buckets: int
+    flat_numel: int                       # elements of the flat buffer, padding included
+    num_params: int                       # Ψ
+    element_size: int
 
 
 @dataclass
@@ -97,7 +114,7 @@ def _single_process_adam(plan: dict[int, list[list[str]]], micro_batches: int,
 def skip_case(rank: int, world: int) -> SkipCase:
     """Stage 2 while rank 1 skips micro-batches and backwards (``PLAN``): nobody waits, every rank equals Adam."""
     model = _model()
-    opt = ZeroOptimizer(model, torch.optim.Adam, 2, bucket_cap_mb=1e-4, lr=LR)  # a bucket per parameter or so
+    opt = GuardedZeroOptimizer(model, torch.optim.Adam, 2, bucket_cap_mb=1e-4, lr=LR)  # a bucket per tensor or so
     for step, micros in enumerate(PLAN[rank]):
         opt.zero_grad()
         for micro, kind in enumerate(micros):
@@ -129,7 +146,7 @@ class _Tied(nn.Module):
 def twice_case(rank: int, world: int) -> TwiceCase:
     """A gradient that arrives twice on rank 1 only: every rank raises, and the next step works."""
     model = _Tied(reentrant=rank == 1)
-    opt = ZeroOptimizer(model, torch.optim.Adam, 2, lr=LR)
+    opt = GuardedZeroOptimizer(model, torch.optim.Adam, 2, lr=LR)
     x = _batch(0, rank, 0)[:, :4].requires_grad_(True)
     opt.zero_grad()
     error = ""
@@ -150,7 +167,7 @@ def clip_case(rank: int, world: int, max_norm: float = 0.05) -> ClipCase:
     max_diff, norm_diff = {}, {}
     for stage in (1, 2):
         model = _model()
-        opt = ZeroOptimizer(model, torch.optim.Adam, stage, bucket_cap_mb=1e-4, lr=LR)
+        opt = GuardedZeroOptimizer(model, torch.optim.Adam, stage, bucket_cap_mb=1e-4, lr=LR)
         worst = 0.0
         for step in range(2):
             opt.zero_grad()
@@ -160,7 +177,7 @@ def clip_case(rank: int, world: int, max_norm: float = 0.05) -> ClipCase:
         max_diff[f"stage{stage}"] = max_abs_diff(list(model.parameters()), list(ref.parameters()))
         norm_diff[f"stage{stage}"] = worst
     model = _model()
-    opt = ZeroOptimizer(model, torch.optim.Adam, 1, lr=LR)
+    opt = GuardedZeroOptimizer(model, torch.optim.Adam, 1, lr=LR)
     opt.zero_grad()
     _loss(model, _batch(0, rank, 0)).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # the wrong way: this rank's own gradient
@@ -171,3 +188,21 @@ def clip_case(rank: int, world: int, max_norm: float = 0.05) -> ClipCase:
         misuse = str(exc)
     return ClipCase(max_diff=max_diff, norm_diff=norm_diff, clipped=min(ref_norms) > max_norm,
                     misuse_errors=gather_per_rank(misuse))
+
+
+def count_case(rank: int, world: int) -> CountCase:
+    """One step of the plain ``ZeroOptimizer`` per variant, every collective it hands to torch.distributed counted."""
+    ops, sent = {}, {}
+    for name, stage, micros in (("stage1", 1, 1), ("stage2", 2, 1), ("stage2_accum2", 2, 2)):
+        model = _model()
+        opt = ZeroOptimizer(model, torch.optim.Adam, stage, bucket_cap_mb=1e-4, lr=LR)  # a bucket per tensor or so
+        for step in range(2):  # the second step is counted: Adam's state exists by then
+            with count_collectives() as issued:
+                opt.zero_grad()
+                for micro in range(micros):
+                    (_loss(model, _batch(step, rank, micro)) / micros).backward()
+                opt.step()
+        ops[name] = gather_per_rank(dict(collections.Counter(i.op for i in issued)))
+        sent[name] = gather_per_rank(sum(i.sent or 0.0 for i in issued))
+    return CountCase(ops=ops, sent=sent, buckets=len(opt.buckets), flat_numel=opt.layout.numel,
+                     num_params=sum(p.numel() for p in model.parameters()), element_size=DTYPE.itemsize)

@@ -30,7 +30,7 @@ from course_lib.experiments import launch
 from course_lib.experiments.dp_methods import fsdp2_adam, train_steps
 from course_lib.experiments.run_config import RunConfig, build_model
 from course_lib.experiments.results import gather_per_rank
-from course_lib.parallel.sharding.zero import held_bytes_by_device
+from course_lib.experiments.zero_meters import held_bytes_by_device
 
 MODES = ("none", "cpu")
 

@@ -1,7 +1,7 @@
 """What ``course_lib.experiments.workers.zero_compare`` reports and the parent side (notebook 09, tests, benchmarks) reads back.
 
 ``run_workers`` launches it and returns ``WorkerResult.from_dict`` of what rank 0 reported: one field per task,
-each a result of the library function that ran it (``dp_methods``, ``zero``, ``sharded_checkpoint``).
+each a result of the library function that ran it (``dp_methods``, ``zero_meters``, ``checkpoint_runs``).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 from course_lib.experiments import results
 from course_lib.experiments.dp_methods import CompareResult
 from course_lib.experiments.run_config import RunConfig
-from course_lib.parallel.sharding.sharded_checkpoint import CrashResult, ReshardResult, ResumeResult
-from course_lib.parallel.sharding.zero import BucketTimeline
+from course_lib.experiments.checkpoint_runs import CrashResult, ReshardResult, ResumeResult
+from course_lib.experiments.zero_meters import BucketTimeline
 
 
 @dataclass

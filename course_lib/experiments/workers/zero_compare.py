@@ -14,10 +14,10 @@ for starting the processes once):
 - ``exact``: the same in float64 with two micro-batches per step, where rounding is too small to hide a real
   difference (see below), for ``--exact-steps`` steps (a wrong sum or update shows in the first step; the
   traffic it counts is per step);
-- ``timeline``: when ZeroOptimizer's buckets leave during one backward, stages 1 and 2 (``zero.bucket_timeline``);
+- ``timeline``: when ZeroOptimizer's buckets leave during one backward, stages 1 and 2 (``zero_meters.bucket_timeline``);
 - ``trace``: one profiled step of ZeRO-1 and of ZeRO-2, a Chrome trace per rank in ``--trace-dir``
   (``step_traces.trace_zero``);
-- ``crash``, ``resume``, ``reshard``: sharded checkpoints (``sharded_checkpoint.crash_run`` and the next two).
+- ``crash``, ``resume``, ``reshard``: sharded checkpoints (``checkpoint_runs.crash_run`` and the next two).
 
 Why float64 for the equality check: the attention's key bias has a true
 gradient of exactly zero (adding the same vector to every key shifts each row
@@ -37,14 +37,14 @@ import dataclasses
 
 import torch
 
-from course_lib.experiments import launch
-from course_lib.parallel.sharding import sharded_checkpoint
+from course_lib.experiments import checkpoint_runs, launch
 from course_lib.experiments.dp_methods import EXACT_METHODS, METHODS, compare_methods
 from course_lib.experiments.run_config import RunConfig, build_model, local_batch
-from course_lib.parallel.sharding.zero import BucketTimeline, ZeroOptimizer, bucket_timeline
-from course_lib.models import lm_loss
 from course_lib.experiments.step_traces import trace_zero
 from course_lib.experiments.workers.zero_common import TASKS, WorkerResult
+from course_lib.experiments.zero_meters import BucketTimeline, bucket_timeline
+from course_lib.models import lm_loss
+from course_lib.parallel.sharding.zero import ZeroOptimizer
 
 
 def timeline(cfg: RunConfig, rank: int, world: int, device: torch.device) -> list[BucketTimeline]:
@@ -70,9 +70,9 @@ def run_tasks(a: argparse.Namespace, rank: int, world: int, device: torch.device
         "exact": lambda: compare_methods(exact_cfg, [m for m in methods if m in EXACT_METHODS], rank, world, device),
         "timeline": lambda: timeline(cfg, rank, world, device),
         "trace": lambda: trace_zero(cfg, rank, world, device, a.trace_dir),
-        "crash": lambda: sharded_checkpoint.crash_run(cfg, a.ckpt_dir, a.every, a.crash_at, device),
-        "resume": lambda: sharded_checkpoint.resume_run(cfg, a.ckpt_dir, device),
-        "reshard": lambda: sharded_checkpoint.reshard_load(cfg, a.ckpt_dir, device),
+        "crash": lambda: checkpoint_runs.crash_run(cfg, a.ckpt_dir, a.every, a.crash_at, device),
+        "resume": lambda: checkpoint_runs.resume_run(cfg, a.ckpt_dir, device),
+        "reshard": lambda: checkpoint_runs.reshard_load(cfg, a.ckpt_dir, device),
     }
     result = WorkerResult(world=world)
     for t in launch.pick(a.tasks, TASKS):

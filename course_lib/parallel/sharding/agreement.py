@@ -1,20 +1,17 @@
-"""What keeps ZeroOptimizer's ranks in step: what they agree on, and the checks that stop misuse (chapter 09).
+"""The opt-in layer for ranks that do not all run the same backward: ``GuardedZeroOptimizer`` (chapter 09).
 
-A collective returns only when every rank of the group has called it: a rank
-that calls one its peers never call waits, on NCCL for ever (or for the process
-group's timeout). Stage 2 starts its reduce-scatters from gradient hooks, so
-which collectives a rank calls depends on what its own backward did. Three
-things keep every rank's sequence the same:
+A collective returns only when every rank of the group has called it: a rank that calls one its peers never call
+waits, on NCCL for ever (or for the process group's timeout). ``ZeroOptimizer``'s stage 2 starts its reduce-scatters
+from gradient hooks, so a rank that skips a backward, or raises in one, leaves its peers waiting. This subclass keeps
+every rank's sequence of collectives the same, at a price the plain version does not pay:
 
-- ``Flags``: small all-reduces of integer flags. Every backward starts with one
-  ("I am in a backward") and ends with one (the ranks that saw an error, the
-  buckets that got a gradient anywhere); ``step`` asks once more whether some
-  rank ran a backward that this one skipped, and joins it with zeros, as
-  torch's ``Join`` does for DDP. An error is raised on every rank together.
-- ``global_norm``: clipping needs the norm of the whole averaged gradient, of
-  which each rank holds only its slices: one all-reduce of one number.
-- ``GradVersion``: stage 1's check that nobody changed the gradients in place
-  after the backward or after ``step``.
+- flags, small blocking all-reduces read on the host: one as a backward starts, one as it ends (which ranks failed,
+  which buckets any rank had a gradient for), one in ``step`` to join with zeros a backward this rank skipped (as
+  torch's ``Join`` does for DDP): a barrier and a host sync per backward, which DeepSpeed and FSDP do not pay;
+- parameters this backward will not reach count as arrived when it starts (their bucket need not wait for its end),
+  and a bucket no rank had a gradient for keeps ``piece.grad = None``, so Adam skips it;
+- a gradient that arrives twice raises on every rank together; stage 1 refuses gradients changed in place after the
+  backward or after ``step`` (``clip_grad_norm_`` on the model).
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from course_lib.parallel import collectives as comm
+from course_lib.parallel.sharding.zero import ZeroOptimizer
 
 MISUSE = ("(clip_grad_norm_ on the model?). Under ZeRO each rank holds its own, unaveraged gradient until step() "
           "reduces it, and afterwards the mean only in its own slice: clip (or read the norm) with "
@@ -30,101 +27,127 @@ MISUSE = ("(clip_grad_norm_ on the model?). Under ZeRO each rank holds its own, 
 
 
 def flag_group() -> dist.ProcessGroup | None:
-    """The group ``ZeroOptimizer``'s flags travel on, as CPU tensors: the default one where it has gloo (gloo, or
-    launch's ``cpu:gloo,cuda:nccl``), else a gloo group of the same ranks, made for them (collectively: every rank
-    builds its optimizer together, as the broadcast of the weights needs anyway).
+    """The group the flags travel on, as CPU tensors: the default one where it has gloo (gloo, or launch's
+    ``cpu:gloo,cuda:nccl``), else a gloo group of the same ranks, made for them (collectively).
 
-    The flags are read on the host as soon as they are summed. Summed on an NCCL
-    group, on the GPU, reading them would make the host wait for everything the
-    device has queued: in the first gradient hook, in the middle of the backward,
-    and again at its end. Through gloo it costs a round trip between the hosts.
+    The flags are read on the host as soon as they are summed. Summed on an NCCL group, on the GPU, reading them
+    would make the host wait for everything the device has queued, in the middle of the backward and again at
+    its end. Through gloo it costs a round trip between the hosts.
     """
     if "gloo" in str(dist.get_backend()).lower():
         return None
     return dist.new_group(backend="gloo")
 
 
-class Flags:
-    """Integer flags summed over the ranks, blocking; ``calls`` counts the all-reduces (a few bytes each).
-
-    Stage 2 spends two per backward (``backward_starts``, ``backward_ends``) and
-    one per ``step`` or ``clip_grad_norm_`` (``others_in_backward``), plus two
-    for each backward of another rank that it joins (the question, and the end).
-    """
-
-    def __init__(self) -> None:
-        self.group = flag_group()
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.calls = 0
-
-    def sum(self, flags: list[int], at: int | None = None) -> list[int]:
-        """Sum ``flags`` over the ranks (``at``: set flag ``at`` to 1 on this rank first)."""
-        t = torch.tensor(flags, dtype=torch.int32)  # host: read back at once, see flag_group
-        if at is not None:
-            t[at] = 1
-        dist.all_reduce(t, group=self.group)
-        self.calls += 1
-        return t.tolist()
-
-    def backward_starts(self) -> None:
-        """Say that this rank is in a backward; ranks that skipped theirs answer from ``step``."""
-        self.sum([1])
-
-    def others_in_backward(self) -> bool:
-        """In ``step`` (and ``clip_grad_norm_``): is some rank in a backward this one skipped? (This one says no.)"""
-        return self.sum([0])[0] > 0
-
-    def backward_ends(self, used: list[bool], failed: bool) -> tuple[list[int], list[int]]:
-        """At a backward's end: per rank, whether it failed; per bucket, how many ranks got a gradient for it."""
-        summed = self.sum([0] * self.world + [int(u) for u in used], at=self.rank if failed else None)
-        return summed[:self.world], summed[self.world:]
-
-
 def raise_together(failed: list[int], mine: str | None) -> None:
-    """Raise on every rank if ``failed`` (from ``backward_ends``) names any rank; ``mine``: this rank's error."""
+    """Raise on every rank if ``failed`` (one flag per rank) names any rank; ``mine``: this rank's error."""
     if any(failed):
         ranks = [r for r, e in enumerate(failed) if e]
         raise RuntimeError(f"ZeroOptimizer: the backward failed on rank(s) {ranks}; every rank raises this "
                            f"error together" + (f": {mine}" if mine else ""))
 
 
-@torch.no_grad()
-def global_norm(grads: list[torch.Tensor], counter: comm.ByteCounter, like: torch.Tensor) -> torch.Tensor:
-    """The L2 norm of the gradient whose slices the ranks hold (``grads``: this rank's), in ``like``'s dtype.
+class GuardedZeroOptimizer(ZeroOptimizer):
+    """``ZeroOptimizer`` whose ranks agree on what each backward did; ``control_calls`` counts the flag all-reduces.
 
-    Every element lives in exactly one rank's slice (the padding is zero), so
-    the squared norm is the sum over ranks of the slices' squared norms: one
-    all-reduce of one float64 number, counted in ``counter``. Returns a
-    one-element tensor on ``like``'s device, the same on every rank.
-    """
-    sq = torch.zeros(1, dtype=torch.float64, device=like.device)
-    for g in grads:
-        sq += g.double().pow(2).sum()
-    comm.all_reduce(sq, counter=counter)  # the sum of every rank's slices
-    return sq.sqrt().to(like.dtype)
-
-
-class GradVersion:
-    """Stage 1: notice a gradient buffer changed in place since ``note`` (a clip of the model's gradients).
-
-    Each rank checks on its own, with no flag: the misuse it is for runs the
-    same code on every rank, so every rank raises before any collective (a
-    change on one rank alone would leave the others waiting in the
-    reduce-scatter). It costs a comparison of two integers, a tensor's version
-    counter against the one noted.
+    Stage 2 spends two per backward and one per ``step`` or ``clip_grad_norm_``, plus two for each backward of
+    another rank that it joins (the question, and the end). Stage 1 needs none: its collectives all run in ``step``.
     """
 
-    def __init__(self) -> None:
-        self.noted: int | None = None
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.control_calls = 0
+        self._error: str | None = None           # what went wrong on this rank in this backward
+        self._used = [False] * len(self.buckets)  # per bucket: a gradient of it arrived on this rank
+        self._fresh = [False] * len(self.buckets)  # per bucket: ``piece.grad`` was None as this backward began
+        self._noted: int | None = None            # stage 1: the gradient buffer's version when last seen
+        if self.stage == 2:
+            self._flag_group = flag_group()
+            with torch.enable_grad():  # each parameter's AccumulateGrad node: will this backward reach it?
+                self._grad_accs = [p.view_as(p).grad_fn.next_functions[0][0] for p in self.params]
+        else:
+            for p in self.params:
+                p.register_post_accumulate_grad_hook(self._note)
 
-    def note(self, grads: torch.Tensor) -> None:
-        self.noted = grads._version  # views share their base's version counter
+    def _flags(self, flags: list[int], at: int | None = None) -> list[int]:
+        """Sum integer ``flags`` over the ranks, blocking (``at``: set flag ``at`` to 1 on this rank first)."""
+        t = torch.tensor(flags, dtype=torch.int32)  # on the host: read back at once (see flag_group)
+        if at is not None:
+            t[at] = 1
+        dist.all_reduce(t, group=self._flag_group)
+        self.control_calls += 1
+        return t.tolist()
 
-    def forget(self) -> None:
-        self.noted = None
+    # ----- stage 2 ----------------------------------------------------------------------------------------------
 
-    def check(self, grads: torch.Tensor, since: str) -> None:
-        """Raise if ``grads`` changed since ``note`` (``since``: "after the backward", "after step()")."""
-        if self.noted is not None and grads._version != self.noted:
-            self.noted = None  # said once
+    def _begin_backward(self) -> None:
+        """Say that this rank is in a backward; count the parameters it will not reach as arrived, with zeros."""
+        super()._begin_backward()
+        self._fresh = [b.piece.grad is None for b in self.buckets]
+        self._flags([1])  # ranks that skipped their backward answer from step() and join it with zeros
+        for i, acc in enumerate(self._grad_accs):
+            # No public API tells, as a backward starts, whether it will reach a node: register_multi_grad_hook
+            # asks this same private function inside, and tells only once the gradients have come. DDP's
+            # find_unused_parameters walks the graph from the forward's outputs, blind to a loss built elsewhere.
+            if i not in self._done and not torch._C._will_engine_execute_node(acc):
+                self._mark(i)  # unused here: zeros, and its bucket need not wait for the end
+
+    def _reduce(self, k: int) -> None:
+        self._used[k] = self._grads[k] is not None
+        super()._reduce(k)
+
+    def _arrived_twice(self, i: int, p: torch.Tensor) -> None:
+        """Note the error; every rank raises it together at the end of the backward."""
+        self._error = self._error or (
+            f"a gradient of parameter {i} arrived twice in one backward (or after the backward had counted it "
+            "unused): it takes part in the backward twice (reentrant checkpointing?); use torch.utils.checkpoint "
+            "with use_reentrant=False")
+        p.grad = None
+
+    def _end_backward(self) -> None:
+        """Send what is left and wait for it, then agree on errors and on the buckets no rank had a gradient for."""
+        super()._end_backward()
+        summed = self._flags([0] * self.world + [int(u) for u in self._used], at=self.rank if self._error else None)
+        failed, used = summed[:self.world], summed[self.world:]
+        for b, u, fresh in zip(self.buckets, used, self._fresh):
+            if u == 0 and fresh:  # no rank had a gradient for it: no gradient at all, so Adam skips it
+                b.piece.grad = None
+        mine, self._error = self._error, None
+        raise_together(failed, mine)
+
+    # ----- both stages: before the gradient is read ---------------------------------------------------------------
+
+    def _reduce_gradients(self) -> None:
+        """Stage 2: take part, with zeros, in every backward another rank is still running. Stage 1: check that
+        nobody changed the gradient in place since the backward. Then reduce as ``ZeroOptimizer`` does."""
+        if self.stage == 2:
+            while self._flags([0])[0] > 0:  # some rank is in a backward this one skipped
+                self._in_backward = True
+                self._fresh = [b.piece.grad is None for b in self.buckets]
+                self._end_backward()  # every parameter unused here: zeros for every bucket
+        elif not self._reduced:
+            self._check("after the backward")
+        super()._reduce_gradients()
+
+    # ----- stage 1: the gradient buffer's version counter -----------------------------------------------------------
+    # Each rank checks on its own, with no flag: the misuse this is for runs the same code on every rank, so every
+    # rank raises before any collective. It costs a comparison of two integers.
+
+    def _note(self, p: torch.Tensor) -> None:
+        if self.flat_grads is not None:  # autograd accumulated into it: note its version (views share their base's)
+            self._noted = self.flat_grads._version
+
+    def _check(self, since: str) -> None:
+        noted, self._noted = self._noted, None  # said once
+        if noted is not None and self.flat_grads is not None and self.flat_grads._version != noted:
             raise RuntimeError(f"the gradients were changed in place {since} {MISUSE}")
+
+    def zero_grad(self) -> None:
+        if self.stage == 1:
+            self._check("after step()")
+        super().zero_grad()
+
+    def step(self) -> None:
+        super().step()
+        if self.stage == 1:
+            self._noted = self.flat_grads._version  # zero_grad checks that nobody changed it since

@@ -1,76 +1,240 @@
-"""ZeRO stages 1 and 2 written by hand, ZeRO-3 as FSDP2, and their meters (chapter 09).
+"""ZeRO stages 1 and 2 by hand (``ZeroOptimizer``), ZeRO-3 as FSDP2, and their formulas (chapter 09).
 
-Data parallelism keeps a full copy of the parameters, the gradients and the
-optimizer state on every rank. ZeRO (Rajbhandari et al. 2020, "ZeRO: Memory
-Optimizations Toward Training Trillion Parameter Models") removes the copies:
+Data parallelism keeps the parameters, gradients and optimizer state whole on every rank. ZeRO (Rajbhandari et
+al. 2020) splits them over the N ranks: each rank keeps the optimizer state for its own 1/N slice of one flat
+parameter buffer (stage 1) and, at stage 2, only that slice of the gradient. One step, on every rank:
 
-- stage 1 shards the optimizer state: rank r keeps the state, and does the
-  update, for its own 1/N slice of the parameters;
-- stage 2 shards the gradients too: each rank keeps only its slice of the
-  averaged gradient;
-- stage 3 shards the parameters too (here: PyTorch's FSDP2, ``fully_shard``).
+1. backward, then **reduce-scatter** the gradient: rank r receives slice r of the sum. Stage 1 does it in
+   ``step``; stage 2 bucket by bucket from the gradient hooks (``_on_grad``, ``_reduce``), during the backward;
+2. the inner optimizer (Adam, ...) updates slice r only: its state exists for 1/N of the model;
+3. **all-gather** the updated slices (``step``): every rank has the new weights.
 
-Communication per step, per rank, for P bytes of parameters on N ranks (ring
-algorithm): DDP all-reduces the gradients, 2(N-1)/N x P. Stages 1 and 2
-reduce-scatter the gradients and all-gather the updated parameters:
-(N-1)/N x P twice, the same 1x. Stage 3 all-gathers the parameters for the
-forward and again for the backward, plus the reduce-scatter: 1.5x.
-
-``ZeroOptimizer`` is the teaching version, in four pieces that each read alone:
-
-- ``zero_buckets``: the flat layout, which parameters share which bucket and
-  each rank's slice of every bucket;
-- ``zero_stage1``: the full gradient, reduce-scattered in ``step``;
-- ``zero_stage2``: each bucket reduce-scattered from the gradient hooks as soon
-  as the backward has filled it, this rank keeping only its slice;
-- ``zero_agreement``: what every rank agrees on, so that none is left waiting
-  in a collective (a skipped backward, an error on one rank, clipping's norm).
-
-This module puts them together (the update of this rank's slices, then the
-all-gather of the parameters) and holds the chapter's formulas
-(``shard_bounds``, ``zero_bytes_per_rank``), a meter of when its buckets leave (``bucket_timeline``),
-ZeRO-3 as FSDP2 (``shard_fsdp2``) and the meters for torch's wrappers.
+For Ψ parameters each collective sends (N-1)/N x Ψ elements per rank: 2(N-1)/N x Ψ, DDP's all-reduce. Stage 3
+(FSDP2, ``shard_fsdp2``) gathers the weights again for the backward: 1.5x. ``zero_buckets`` holds the flat
+layout; ``agreement`` the opt-in layer for ranks that do not all run the same backward.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
+import functools
 import math
-from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from course_lib import memory
-from course_lib.parallel import collectives as comm
-from course_lib.parallel.sharding.agreement import Flags, global_norm
-from course_lib.parallel.sharding.agreement import MISUSE, flag_group  # noqa: F401 (importable from here, as before)
-from course_lib.parallel.sharding.zero_buckets import DEFAULT_BUCKET_MB, FlatLayout
-from course_lib.parallel.sharding.zero_buckets import bucket_sizes  # noqa: F401 (the planner and the tests import it here)
-from course_lib.parallel.sharding.zero_stage1 import Stage1Gradients
-from course_lib.parallel.sharding.zero_stage2 import MAX_IN_FLIGHT, Stage2Gradients
 from course_lib.models import TinyTransformer
+from course_lib.parallel import collectives as comm
+from course_lib.parallel.sharding.zero_buckets import DEFAULT_BUCKET_MB, FlatLayout
+from course_lib.parallel.sharding.zero_buckets import bucket_sizes  # noqa: F401 (the planner imports it here)
 
-# Optimizers whose update of one element depends only on that element's
-# parameter, gradient and state (plus shared scalars such as the step count).
-# For these, updating a flat slice gives bit-for-bit the update of the whole
-# tensor. Optimizers that look at a whole tensor (LAMB's trust ratio,
-# Adafactor's factored moments, LBFGS's line search) would change meaning.
+# Reduce-scatters left running while the backward goes on (0: wait for each at once). Each holds its bucket's full
+# gradient (and, on gloo, a copy of it) until it is done: the peak grows by that per one in flight.
+MAX_IN_FLIGHT = 1
+
+# Optimizers whose update of one element depends only on that element's parameter, gradient and state (plus shared
+# scalars such as the step count): updating a flat slice gives bit for bit the update of the whole tensor. Those that
+# look at a whole tensor (LAMB's trust ratio, Adafactor's factored moments, LBFGS's line search) would change meaning.
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
     torch.optim.RAdam, torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Rprop,
 )
 
 
+class ZeroOptimizer:
+    """ZeRO stage 1 or 2 around an element-wise optimizer, on every rank: ``zero_grad(); loss.backward(); step()``.
+
+    The trainable parameters become views of one flat buffer cut into buckets (``zero_buckets``), synchronised
+    from rank 0 here; buffers (BatchNorm's statistics) are not. The inner optimizer sees this rank's slice of
+    each bucket, ``bucket.piece``. ``counter`` counts the bytes this rank sends (``collectives``' ring formulas).
+    Every rank must run the same backwards: ``agreement.GuardedZeroOptimizer`` lets them differ.
+    """
+
+    def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], stage: int,
+                 bucket_cap_mb: float = DEFAULT_BUCKET_MB, max_in_flight: int = MAX_IN_FLIGHT, **optimizer_kwargs):
+        self.params = _check_arguments(model, optimizer_cls, stage, max_in_flight)
+        self.stage, self.max_in_flight = stage, max_in_flight
+        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        self.layout = FlatLayout(self.params, self.world, bucket_cap_mb)
+        self.buckets = self.layout.buckets
+        self.flat_params = self.layout.flatten()  # the model's parameters are views of it now
+        comm.broadcast(self.flat_params, src=0)  # rank 0's weights everywhere, as DDP (once per run: not counted)
+        # the inner optimizer updates this rank's pieces in place, which writes straight into the weights
+        self.optimizer = optimizer_cls(self.layout.cut_pieces(self.flat_params, self.rank), **optimizer_kwargs)
+        self.counter = comm.ByteCounter()
+        self.flat_grads: torch.Tensor | None = None  # stage 1's full gradient buffer
+        self._reduced = False  # stage 1: this step's gradient is reduced already (by clip_grad_norm_)
+        self._pending: collections.deque = collections.deque()  # stage 2's reduce-scatters in flight, oldest first
+        self._new_backward()
+        if stage == 2:  # runs right after autograd has written the parameter's gradient
+            for i, p in enumerate(self.params):
+                p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
+
+    # ----- what the training loop calls --------------------------------------------------------------------------
+
+    def zero_grad(self) -> None:
+        """Start a step's gradients.
+
+        Stage 1: every parameter's ``.grad`` is a zeroed view of one flat buffer, which autograd adds into (as DDP's
+        ``gradient_as_bucket_view``): the full gradient, held to the end of ``step``. Stage 2: no parameter ``.grad``
+        at all, only this rank's slices (zeroed, 1/N of the gradient); the hooks fill one bucket at a time.
+        """
+        self._reduced = False
+        self._new_backward()
+        if self.stage == 1:
+            self._collect().zero_()
+            return
+        for p in self.params:
+            p.grad = None
+        for b in self.buckets:
+            if b.piece.grad is not None:
+                b.piece.grad.zero_()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Stage 1: reduce-scatter the gradient. Both: update this rank's slices, all-gather the parameters."""
+        self._reduce_gradients()
+        self.optimizer.step()  # this rank's slices only
+        # all-gather, bucket by bucket: every rank receives every updated slice, (N-1)/N x the bucket's bytes.
+        # The input is a copy of our slice because the output region contains it.
+        for b in self.buckets:
+            comm.all_gather(b.region(self.flat_params), b.piece.detach().clone(), counter=self.counter)
+        self._reduced = False
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the averaged gradient to a global L2 norm of at most ``max_norm``; return the norm before.
+
+        Call it between the backward(s) and ``step``: only the optimizer sees the averaged gradient (stage 1 reduce-
+        scatters here; torch's ``clip_grad_norm_`` on the model would clip each rank's own). Every element lies in one
+        rank's slice (the padding is zero): the squared norm is the sum over ranks of the slices', one all-reduce.
+        """
+        if not max_norm > 0:
+            raise ValueError(f"max_norm must be positive, got {max_norm!r}")
+        self._reduce_gradients()
+        grads = [b.piece.grad for b in self.buckets if b.piece.grad is not None]
+        sq = torch.zeros(1, dtype=torch.float64, device=self.flat_params.device)
+        for g in grads:
+            sq += g.double().pow(2).sum()
+        comm.all_reduce(sq, counter=self.counter)  # the sum of every rank's slices
+        norm = sq.sqrt().to(self.flat_params.dtype)
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
+        for g in grads:
+            g.mul_(coef)
+        return norm[0]
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds now: ``params``, ``grads``, ``optimizer`` (after ``step``: the ZeRO picture)."""
+        grads = ([self.flat_grads] if self.stage == 1 and self.flat_grads is not None
+                 else [b.piece.grad for b in self.buckets if b.piece.grad is not None])
+        return {"params": memory.tensor_bytes(self.flat_params), "grads": sum(memory.tensor_bytes(g) for g in grads),
+                "optimizer": memory.optimizer_state_bytes(self.optimizer)}
+
+    # ----- stage 2: each bucket reduce-scattered as soon as the backward has filled it --------------------------
+
+    def _on_grad(self, i: int, p: torch.Tensor) -> None:
+        """Move parameter ``i``'s new gradient into its bucket's buffer and free it; send every bucket now full."""
+        if not self._in_backward:  # the first gradient of this backward
+            self._begin_backward()
+        if i in self._done:
+            return self._arrived_twice(i, p)
+        k, offset = self.layout.bucket_of[i]
+        if self._grads[k] is None:  # a bucket's full gradient exists only while the backward fills it
+            self._grads[k] = self.buckets[k].zeros()
+        self._grads[k][offset:offset + p.numel()].add_(p.grad.reshape(-1))
+        p.grad = None  # it is in the bucket now: no rank ever holds the whole gradient
+        self._mark(i)
+
+    def _mark(self, i: int) -> None:
+        """Parameter ``i`` is done in this backward; send every complete bucket, in order (the same on all ranks)."""
+        self._done.add(i)
+        self._arrived[self.layout.bucket_of[i][0]] += 1
+        while self._next < len(self.buckets) and self._arrived[self._next] == len(self.buckets[self._next].params):
+            self._reduce(self._next)
+
+    @torch.no_grad()
+    def _reduce(self, k: int) -> None:
+        """Start bucket ``k``'s reduce-scatter without waiting; wait only for those beyond ``max_in_flight``."""
+        full = self._grads[k] if self._grads[k] is not None else self.buckets[k].zeros()  # none arrived here
+        self._grads[k] = None
+        out = torch.empty(self.buckets[k].slots, dtype=full.dtype, device=full.device)
+        work = comm.reduce_scatter(out, full, counter=self.counter, async_op=True)  # (N-1)/N x the bucket's bytes
+        self._pending.append((self.buckets[k], out, full, work))  # ``full`` must live until the collective is done
+        self._next += 1
+        while len(self._pending) > self.max_in_flight:  # the backward computes on while the newest travel
+            self._finish()
+
+    @torch.no_grad()
+    def _finish(self) -> None:
+        """Wait for the oldest reduce-scatter; add this rank's averaged slice to its piece's ``.grad``."""
+        bucket, out, _, work = self._pending.popleft()
+        work.wait()
+        out.div_(self.world)  # the mean over ranks, as DDP: the gradient of the whole batch's mean loss
+        piece = bucket.piece
+        piece.grad = out if piece.grad is None else piece.grad.add_(out)  # accumulation: a sum of means
+
+    def _begin_backward(self) -> None:
+        """Have ``_end_backward`` run when this backward ends."""
+        self._in_backward = True
+        # No public API runs code at the end of a backward; DDP and FSDP2 queue their own callbacks this same way.
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _end_backward(self) -> None:
+        """Send the buckets still incomplete (a parameter unused here: zeros for it), wait for all of them."""
+        while self._next < len(self.buckets):
+            self._reduce(self._next)
+        while self._pending:
+            self._finish()
+        self._new_backward()
+
+    def _arrived_twice(self, i: int, p: torch.Tensor) -> None:
+        raise RuntimeError(f"a gradient of parameter {i} arrived twice in one backward: it takes part in the backward "
+                           "twice (reentrant checkpointing?); use torch.utils.checkpoint with use_reentrant=False")
+
+    def _new_backward(self) -> None:
+        """Forget the last backward: no bucket filled, none sent, none in flight."""
+        self._grads: list[torch.Tensor | None] = [None] * len(self.buckets)  # each bucket's while it fills
+        self._arrived = [0] * len(self.buckets)  # per bucket: its parameters done in this backward
+        self._done: set[int] = set()             # the parameters done in this backward
+        self._next = 0                           # the next bucket to send
+        self._in_backward = False
+        self._pending.clear()
+
+    # ----- stage 1: the whole gradient, reduce-scattered in step ------------------------------------------------
+
+    def _collect(self) -> torch.Tensor:
+        """The flat gradient buffer, every ``.grad`` a view of it (one made elsewhere copied in, ``None``: zeros)."""
+        if self.flat_grads is None:
+            self.flat_grads = torch.zeros_like(self.flat_params)
+        for i, p in enumerate(self.params):
+            slot = self.layout.view(self.flat_grads, i)
+            if p.grad is None or p.grad.data_ptr() != slot.data_ptr():  # zero_grad skipped, or unused: zeros
+                slot.copy_(p.grad.reshape(-1)) if p.grad is not None else slot.zero_()
+                p.grad = slot.view_as(p)
+        return self.flat_grads
+
+    @torch.no_grad()
+    def _reduce_gradients(self) -> None:
+        """Stage 1, once per step: reduce-scatter the full gradient; each piece's ``.grad`` becomes its slice of
+        the mean. (Stage 2 did it during the backward.)"""
+        if self.stage == 2 or self._reduced:
+            return
+        grads = self._collect()
+        for b in self.buckets:
+            out = torch.empty(b.slots, dtype=grads.dtype, device=grads.device)
+            comm.reduce_scatter(out, b.region(grads), counter=self.counter)  # (N-1)/N x the bucket's bytes
+            # the full buffer stays (stage 1 does not shard it); this rank's slice becomes the mean
+            b.piece.grad = b.shard(grads, self.rank).copy_(out.div_(self.world))
+        self._reduced = True
+
+
 def shard_bounds(numel: int, world_size: int, rank: int) -> tuple[int, int]:
     """``[start, end)`` of rank ``rank``'s slice of a flat vector of ``numel`` elements.
 
-    Every rank gets ``ceil(numel / world_size)`` slots; the vector is padded to
-    ``world_size`` times that, so the last ranks' slices may hold fewer real
-    elements (or none). Equal slots are what reduce-scatter and all-gather need.
+    Every rank gets ``ceil(numel / world_size)`` slots; the vector is padded to ``world_size`` times that, so the
+    last ranks' slices may hold fewer real elements (or none). Equal slots are what reduce-scatter and all-gather need.
     """
     if numel < 0 or world_size < 1:
         raise ValueError(f"need numel >= 0 and world_size >= 1, got numel={numel}, world_size={world_size}")
@@ -85,200 +249,24 @@ def zero_bytes_per_rank(num_params: float, world_size: int, stage: int, param_by
                         grad_bytes: float = 4, optimizer_bytes: float = 8) -> dict[str, float]:
     """Bytes of ``params``, ``grads`` and ``optimizer`` state one rank holds under ZeRO ``stage`` (0 = DDP).
 
-    ``memory.zero_memory`` for each part alone (the other parts' bytes set to 0).
-    The defaults are fp32 Adam as trained on the CPU here: 4 + 4 + 8 (two fp32
-    moments) bytes per parameter; mixed-precision Adam is ``2, 2, 12``.
+    ``memory.zero_memory`` for each part alone. The defaults are fp32 Adam as trained on the CPU here, 4 + 4 + 8
+    (two fp32 moments) bytes per parameter; the paper's mixed-precision Adam is ``2, 2, 12``.
     """
     def part(p: float, g: float, o: float) -> float:
         return memory.zero_memory(num_params, world_size, stage, o, param_bytes=p, grad_bytes=g)
-    return {"params": part(param_bytes, 0, 0), "grads": part(0, grad_bytes, 0),
+    return {"params": part(param_bytes, 0, 0), "grads": part(0, grad_bytes, 0), 
             "optimizer": part(0, 0, optimizer_bytes)}
-
-
-class ZeroOptimizer:
-    """ZeRO stage 1 or 2 around any element-wise optimizer: ``zero_grad(); loss.backward(); step()``.
-
-    Every rank runs the same model on its own part of the batch. The model's
-    parameters become views into one flat buffer (``zero_buckets``); the inner
-    optimizer sees only this rank's slice of each bucket, so the optimizer
-    state exists for 1/N of the model. ``grads`` is stage 1's or stage 2's
-    gradient handling (``zero_stage1.Stage1Gradients``,
-    ``zero_stage2.Stage2Gradients``). ``counter`` counts the bytes this rank
-    sends (``comm`` ring formulas): a reduce-scatter per bucket per backward
-    (stage 2) or per step (stage 1), an all-gather per bucket per step. The
-    flag all-reduces that keep the ranks in step (a few bytes each) are
-    counted in ``control_calls`` only.
-
-    Only trainable parameters are sharded and synchronised (from rank 0, at
-    construction); buffers such as BatchNorm's running statistics are not.
-    """
-
-    def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], stage: int,
-                 bucket_cap_mb: float = DEFAULT_BUCKET_MB, max_in_flight: int = MAX_IN_FLIGHT, **optimizer_kwargs):
-        if stage not in (1, 2):
-            raise ValueError(f"ZeroOptimizer implements stages 1 and 2, got {stage}; stage 3 shards the "
-                             "parameters as well: use torch.distributed.fsdp.fully_shard (chapter 09)")
-        if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, ELEMENTWISE_OPTIMIZERS)):
-            names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
-            raise ValueError(f"optimizer_cls must be an element-wise torch optimizer class ({names}); got "
-                             f"{optimizer_cls!r}. Flat shards would change the meaning of per-tensor optimizers.")
-        if not (isinstance(max_in_flight, int) and max_in_flight >= 0):
-            raise ValueError(f"max_in_flight must be an int >= 0 (0: wait for each reduce-scatter at once), "
-                             f"got {max_in_flight!r}")
-        if not dist.is_initialized():
-            raise RuntimeError("ZeroOptimizer needs a process group: call launch.init_distributed() first "
-                               "(or torch.distributed.init_process_group)")
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        if not self.params:
-            raise ValueError("the model has no trainable parameters")
-        dtypes, devices = {p.dtype for p in self.params}, {p.device for p in self.params}
-        if len(dtypes) > 1 or len(devices) > 1:
-            raise ValueError(f"all parameters must share one dtype and device for the flat buffer; got "
-                             f"dtypes {dtypes} and devices {devices}")
-        self.stage, self.max_in_flight = stage, max_in_flight
-        self.world, self.rank = dist.get_world_size(), dist.get_rank()
-        self.layout = FlatLayout(self.params, self.world, bucket_cap_mb)
-        self.buckets = self.layout.buckets
-        self.flat_params = self.layout.flatten()  # the model's parameters are views of it now
-        # Start from rank 0's weights everywhere, as DDP does (not counted: once per run, not per step).
-        comm.broadcast(self.flat_params, src=0)
-        # the inner optimizer updates this rank's pieces in place, which writes straight into the weights
-        self.optimizer = optimizer_cls(self.layout.cut_pieces(self.flat_params, self.rank), **optimizer_kwargs)
-        self.counter = comm.ByteCounter()
-        self.flags = Flags()  # the small all-reduces that keep the ranks in step
-        self.grads: Stage1Gradients | Stage2Gradients = (
-            Stage1Gradients(self.layout, self.flat_params, self.rank, self.world, self.counter) if stage == 1
-            else Stage2Gradients(self.layout, self.world, self.counter, self.flags, max_in_flight))
-
-    @property
-    def param_groups(self) -> list[dict]:
-        """The inner optimizer's parameter groups (to change the learning rate)."""
-        return self.optimizer.param_groups
-
-    @property
-    def control_calls(self) -> int:
-        """The flag all-reduces so far (``zero_agreement.Flags``; their bytes are not in ``counter``)."""
-        return self.flags.calls
-
-    @property
-    def flat_grads(self) -> torch.Tensor | None:
-        """Stage 1's full gradient buffer (``None`` until the first ``zero_grad`` or ``step``; always under stage 2)."""
-        return self.grads.flat_grads if isinstance(self.grads, Stage1Gradients) else None
-
-    @property
-    def _pending(self) -> collections.deque:
-        """Stage 2's reduce-scatters in flight, oldest first (stage 1 never has any)."""
-        return self.grads._pending if isinstance(self.grads, Stage2Gradients) else collections.deque()
-
-    @property
-    def _flag_group(self) -> dist.ProcessGroup | None:
-        """The group the flags travel on (``zero_agreement.flag_group``)."""
-        return self.flags.group
-
-    def zero_grad(self) -> None:
-        """Start a new step's gradients.
-
-        Stage 1: every parameter gets a zeroed ``.grad`` that is a view into one
-        flat gradient buffer, which autograd accumulates into (as DDP's
-        ``gradient_as_bucket_view``): the full gradient, held to the end of ``step``.
-        Stage 2: no parameter ``.grad`` at all, only this rank's slices (zeroed,
-        1/N of the gradient); the hooks fill and reduce one bucket at a time.
-        """
-        self.grads.zero_grad()
-
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Scale the averaged gradient so that its global L2 norm is at most ``max_norm``; return the norm.
-
-        ``torch.nn.utils.clip_grad_norm_(model.parameters())`` cannot see that
-        gradient (stage 2: there is none to see; stage 1: each rank's own,
-        unaveraged one; stage 1 raises if it is used). Call this between the
-        backward(s) and ``step``: stage 1 reduce-scatters here instead of in
-        ``step``. Costs one all-reduce of one number (``zero_agreement.global_norm``).
-        """
-        if not max_norm > 0:
-            raise ValueError(f"max_norm must be positive, got {max_norm!r}")
-        self.grads.sync()
-        grads = [b.piece.grad for b in self.buckets if b.piece.grad is not None]
-        norm = global_norm(grads, self.counter, like=self.flat_params)
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
-        for g in grads:
-            g.mul_(coef)
-        return norm[0]
-
-    @torch.no_grad()
-    def step(self) -> None:
-        """Stage 1: reduce-scatter the full gradient. Both: update this rank's slices, all-gather the parameters.
-
-        Stage 2 first takes part in any backward another rank ran and this one did not (with zeros).
-        """
-        # 2. reduce-scatter: every piece's .grad becomes this rank's slice of the mean over ranks. Stage 1 does it
-        # now (zero_stage1); stage 2 did it during the backward and joins any backward it skipped (zero_stage2).
-        self.grads.before_step()
-        # 3. the inner optimizer sees this rank's slices only: its state is 1/N of the model's
-        self.optimizer.step()
-        # 4. all-gather, bucket by bucket: every rank receives every updated slice, (N-1)/N x P sent.
-        # The input is a copy of our slice because the output region contains it.
-        for b in self.buckets:
-            comm.all_gather(b.region(self.flat_params), b.piece.detach().clone(), counter=self.counter)
-        self.grads.after_step()  # stage 1: zero_grad will check that nobody changed the gradients since
-
-    def state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds now: ``params``, ``grads``, ``optimizer`` (after ``step``: the ZeRO picture)."""
-        return {"params": memory.tensor_bytes(self.flat_params), "grads": self.grads.held_bytes(),
-                "optimizer": memory.optimizer_state_bytes(self.optimizer)}
-
-
-@dataclass
-class BucketTimeline:
-    """When ZeroOptimizer's buckets leave, seen from each parameter's gradient as the backward computes it."""
-
-    stage: int
-    buckets: int
-    names: list[str]                 # parameters in the order their gradients were computed
-    reduce_scatters_seen: list[int]  # reduce-scatters already issued when that gradient was computed
-    after_backward: int              # reduce-scatters issued by the end of the backward
-    full_grad_bytes_after_backward: int  # bytes of the parameters' .grad left after the backward
-    slice_grad_bytes: int            # bytes of this rank's averaged gradient slices after the backward
-
-
-def bucket_timeline(zopt: ZeroOptimizer, model: nn.Module, loss_fn: Callable[[], torch.Tensor]) -> BucketTimeline:
-    """One backward of ``loss_fn()`` under ``zopt``: how many buckets had left as each gradient was computed.
-
-    Stage 2 reduce-scatters a bucket from the hooks as soon as it is full, stage 1 only in ``step``. The caller
-    then calls ``zopt.step()`` on every rank (it takes part in the same collectives).
-    """
-    names: list[str] = []
-    seen: list[int] = []
-    for name, p in model.named_parameters():
-        def computed(grad: torch.Tensor, name: str = name) -> None:  # before autograd accumulates it
-            names.append(name)
-            seen.append(zopt.counter.calls.get("reduce_scatter", 0))
-        p.register_hook(computed)
-    zopt.zero_grad()
-    loss_fn().backward()
-    return BucketTimeline(
-        stage=zopt.stage, buckets=len(zopt.buckets), names=names, reduce_scatters_seen=seen,
-        after_backward=zopt.counter.calls.get("reduce_scatter", 0),
-        full_grad_bytes_after_backward=memory.grad_bytes(model),
-        slice_grad_bytes=sum(memory.tensor_bytes(b.piece.grad) for b in zopt.buckets if b.piece.grad is not None))
-
-
-# ----- ZeRO-3 as torch's FSDP2, and meters for torch's own data-parallel wrappers ------------
 
 
 def shard_fsdp2(model: TinyTransformer, reshard_after_forward: bool = True,
                 mp_policy: object | None = None, offload_policy: object | None = None) -> TinyTransformer:
     """ZeRO-3 with FSDP2: one ``fully_shard`` per block, for the embedding and the head, then the root.
 
-    Order matters: inner modules first, so each gets its own all-gather group
-    and the root only collects what is left (here nothing). Passing
-    ``reshard_after_forward`` to the root as well overrides FSDP2's heuristic
-    of keeping the root's parameters between forward and backward, so every
-    parameter is gathered twice per step, as in the paper's stage 3.
-    ``mp_policy``: a ``MixedPrecisionPolicy``; ``offload_policy``: an
-    ``OffloadPolicy`` (``CPUOffloadPolicy()`` keeps the shards on the host,
-    chapter 11), the same for every part.
+    Inner modules first, so each gets its own all-gather group and the root only collects what is left (here
+    nothing). Passing ``reshard_after_forward`` to the root as well overrides FSDP2's heuristic of keeping the
+    root's parameters between forward and backward, so every parameter is gathered twice per step, as in the
+    paper's stage 3. ``mp_policy``: a ``MixedPrecisionPolicy``; ``offload_policy``: an ``OffloadPolicy``
+    (``CPUOffloadPolicy()`` keeps the shards on the host, chapter 11), the same for every part.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -289,89 +277,28 @@ def shard_fsdp2(model: TinyTransformer, reshard_after_forward: bool = True,
             if not isinstance(policy, kind):
                 raise ValueError(f"{name} must be a {kind.__name__}, got {type(policy).__name__}")
             kwargs[name] = policy
-    parts: list[nn.Module] = [model.embed, *model.blocks, model.head]
-    for part in parts:
+    for part in [model.embed, *model.blocks, model.head]:
         fully_shard(part, **kwargs)
     fully_shard(model, **kwargs)
     return model
 
 
-def local_bytes(t: torch.Tensor | None) -> int:
-    """Bytes this rank stores for ``t``: a DTensor's local shard, else the tensor itself."""
-    if t is None:
-        return 0
-    if hasattr(t, "to_local"):  # a DTensor (FSDP2's sharded parameters, gradients and Adam moments)
-        t = t.to_local()
-    return memory.tensor_bytes(t)
-
-
-def held_bytes(model: nn.Module, optimizer: object) -> dict[str, int]:
-    """Bytes of ``params``, ``grads`` and ``optimizer`` state this rank holds (DTensor-aware)."""
-    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps the local one in .optim
-    return {"params": sum(local_bytes(p) for p in model.parameters()),
-            "grads": sum(local_bytes(p.grad) for p in model.parameters()),
-            "optimizer": sum(local_bytes(v) for s in inner.state.values() for v in s.values() if torch.is_tensor(v))}
-
-
-def held_bytes_by_device(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """The same bytes (parameters, gradients, optimizer state) by the device type that holds them, ``cpu`` or
-    ``cuda``: where FSDP2's ``CPUOffloadPolicy`` keeps a rank's shards (chapter 11)."""
-    out = {"cpu": 0, "cuda": 0}
-    states = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-    for t in [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None), *states]:
-        kind = (t.to_local() if hasattr(t, "to_local") else t).device.type
-        out[kind] = out.get(kind, 0) + local_bytes(t)
-    return out
-
-
-def count_fsdp_traffic(model: nn.Module, counter: comm.ByteCounter) -> int:
-    """Route every FSDP2 all-gather and reduce-scatter in ``model`` through ``comm``, counting the bytes.
-
-    Uses FSDP2's public hooks ``set_custom_all_gather`` / ``set_custom_reduce_scatter``;
-    the collectives themselves are unchanged (same ``torch.distributed`` calls).
-    Returns how many FSDP modules were instrumented.
-    """
-    from torch.distributed.fsdp import FSDPModule
-    try:
-        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-    except ImportError as exc:  # the interface lives in a private module; say so if it moves
-        raise RuntimeError(f"this torch ({torch.__version__}) has no FSDP2 custom-collective interface") from exc
-
-    class CountingAllGather(AllGather):
-        def allocate(self, size, *, dtype, device):
-            return torch.empty(*size, dtype=dtype, device=device)
-
-        def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            return comm.all_gather(output_tensor, input_tensor, counter=counter, group=group, async_op=async_op)
-
-    class CountingReduceScatter(ReduceScatter):
-        def allocate(self, size, *, dtype, device):
-            return torch.empty(*size, dtype=dtype, device=device)
-
-        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            return comm.reduce_scatter(output_tensor, input_tensor, op=op, counter=counter, group=group,
-                                       async_op=async_op)
-
-    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if not modules:
-        raise ValueError("no FSDP2 module in the model: call fully_shard on it first")
-    for m in modules:
-        m.set_custom_all_gather(CountingAllGather())
-        m.set_custom_reduce_scatter(CountingReduceScatter())
-    return len(modules)
-
-
-@contextlib.contextmanager
-def count_broadcasts(counter: comm.ByteCounter) -> Iterator[None]:
-    """Count every ``dist.broadcast`` made inside the block (ZeroRedundancyOptimizer's parameter sync)."""
-    original = dist.broadcast
-
-    def counted(tensor, src, *args, **kwargs):
-        counter.add("broadcast", comm.ring_factor("broadcast", dist.get_world_size()) * comm.nbytes(tensor))
-        return original(tensor, src, *args, **kwargs)
-
-    dist.broadcast = counted
-    try:
-        yield
-    finally:
-        dist.broadcast = original
+def _check_arguments(model: nn.Module, optimizer_cls: type, stage: int, max_in_flight: int) -> list[nn.Parameter]:
+    """``ZeroOptimizer``'s arguments, each checked with a clear error; returns the model's trainable parameters."""
+    if stage not in (1, 2):
+        raise ValueError(f"ZeroOptimizer implements stages 1 and 2, got {stage}; stage 3 shards the "
+                         "parameters as well: use torch.distributed.fsdp.fully_shard (chapter 09)")
+    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, ELEMENTWISE_OPTIMIZERS)):
+        names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+        raise ValueError(f"optimizer_cls must be an element-wise torch optimizer class ({names}); got "
+                         f"{optimizer_cls!r}. Flat shards would change the meaning of per-tensor optimizers.")
+    if not (isinstance(max_in_flight, int) and max_in_flight >= 0):
+        raise ValueError(f"max_in_flight must be an int >= 0 (0: wait for each reduce-scatter), got {max_in_flight!r}")
+    if not dist.is_initialized():
+        raise RuntimeError("ZeroOptimizer needs a process group: call torch.distributed.init_process_group first")
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no trainable parameters")
+    if len({p.dtype for p in params}) > 1 or len({p.device for p in params}) > 1:
+        raise ValueError("all parameters must share one dtype and device for the flat buffer")
+    return params
