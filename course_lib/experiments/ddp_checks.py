@@ -12,7 +12,7 @@ import contextlib
 import copy
 import statistics
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -24,13 +24,29 @@ from torch.utils.checkpoint import checkpoint
 from course_lib.parallel import collectives as comm
 from course_lib.experiments.clock import clock_for, slowest_rank_s
 from course_lib.experiments.comm_spies import handed_bytes
-from course_lib.parallel.data_parallel.ddp import BucketedDDP, NaiveDDP, counting_allreduce_hook
+from course_lib.parallel.data_parallel.ddp import BucketedDDP, NaiveDDP
 from course_lib.parallel.data_parallel.ddp_dynamic import DynamicBucketedDDP
 from course_lib.experiments.results import WorkerResult
 from course_lib.parallel.data_parallel.sync_batchnorm import SyncBatchNorm2dByHand
 from course_lib.models import MLP
 
 SMALL_CAP_MB = 4096 / 2**20  # 4 KiB: about one bucket per weight of this small model, so buckets leave mid-backward
+
+
+def counting_allreduce_hook(counter: comm.ByteCounter) -> Callable:
+    """A DDP communication hook: torch DDP's default all-reduce (average), counted in ``counter``.
+
+    ``torch_ddp.register_comm_hook(None, counting_allreduce_hook(counter))``;
+    ``counter.calls["all_reduce"]`` then counts the buckets torch DDP sends.
+    """
+    # no annotations on purpose: torch DDP checks them, and `from __future__ import annotations` makes them strings
+    def hook(state, bucket):  # (None, dist.GradBucket) -> torch.futures.Future[torch.Tensor]
+        t = bucket.buffer()
+        t.div_(dist.get_world_size())  # torch DDP's default hook divides before summing, too
+        work = comm.all_reduce(t, counter=counter, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
+    return hook
+
 
 
 class EdgeCaseNet(nn.Module):

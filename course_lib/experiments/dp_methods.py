@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course_lib import kernels, memory
 from course_lib.parallel import collectives as comm
-from course_lib.parallel.data_parallel.ddp import counting_allreduce_hook
+from course_lib.experiments.ddp_checks import counting_allreduce_hook
 from course_lib.experiments.run_config import RunConfig, build_model, local_batch, reference
 from course_lib.experiments.results import gather_per_rank, max_abs_diff, mean_over_ranks
 from course_lib.experiments.zero_meters import count_broadcasts, count_fsdp_traffic, held_bytes

@@ -230,18 +230,3 @@ def assign_buckets(sizes: Sequence[int], cap_bytes: float, keys: Sequence[Hashab
     if current:
         buckets.append(current)
     return buckets
-
-
-def counting_allreduce_hook(counter: comm.ByteCounter) -> Callable:
-    """A DDP communication hook: torch DDP's default all-reduce (average), counted in ``counter``.
-
-    ``torch_ddp.register_comm_hook(None, counting_allreduce_hook(counter))``;
-    ``counter.calls["all_reduce"]`` then counts the buckets torch DDP sends.
-    """
-    # no annotations on purpose: torch DDP checks them, and `from __future__ import annotations` makes them strings
-    def hook(state, bucket):  # (None, dist.GradBucket) -> torch.futures.Future[torch.Tensor]
-        t = bucket.buffer()
-        t.div_(dist.get_world_size())  # torch DDP's default hook divides before summing, too
-        work = comm.all_reduce(t, counter=counter, async_op=True)
-        return work.get_future().then(lambda fut: fut.value()[0])
-    return hook

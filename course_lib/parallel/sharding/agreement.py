@@ -71,7 +71,7 @@ class GuardedZeroOptimizer(ZeroOptimizer):
 
     def _flags(self, flags: list[int], at: int | None = None) -> list[int]:
         """Sum integer ``flags`` over the ranks, blocking (``at``: set flag ``at`` to 1 on this rank first)."""
-        t = torch.tensor(flags, dtype=torch.int32)  # on the host: read back at once (see flag_group)
+        t = torch.tensor(flags, dtype=torch.int32)  # host: read back at once (see flag_group)
         if at is not None:
             t[at] = 1
         dist.all_reduce(t, group=self._flag_group)
