@@ -596,6 +596,21 @@ def test_real_pipeline_matches_sequential_and_formula():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("p, m", [(2, 5), (3, 2), (4, 6)])   # (3, 2): no steady state on stage 0
+def test_straight_line_gpipe_and_1f1b_on_p_ranks_equal_one_process(p, m):
+    from course_lib.experiments import launch
+    from course_lib.experiments.workers.pipeline_run import PipelineResult
+
+    result = PipelineResult.from_dict(launch.run(
+        "course_lib.experiments.workers.pipeline_run", nproc=p, timeout=120, env={"COURSE_DIST_BACKEND": "gloo"},
+        args=["--schedules", "", "--straight", "gpipe,1f1b", "--microbatches", str(m)]))
+    assert [(r.kind, r.p, r.m) for r in result.straight] == [("gpipe", p, m), ("1f1b", p, m)]
+    assert not result.handmade and not result.torch_api            # only the straight-line steps ran
+    for run in result.straight:
+        assert run.grad_max_abs_diff < 1e-5 and run.loss_abs_diff < 1e-5, run
+
+
+@pytest.mark.slow
 @pytest.mark.alone
 def test_real_pipedream_stashes_p_minus_s_versions_and_removes_the_flush():
     from course_lib.experiments import launch
