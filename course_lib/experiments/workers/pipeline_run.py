@@ -33,7 +33,7 @@ import torch.distributed as dist
 from course_lib.experiments import launch
 from course_lib.experiments.clock import clock_for
 from course_lib.parallel.pipeline.schedules import KINDS
-from course_lib.parallel.pipeline.freeze import FreezeRun, freeze_steps
+from course_lib.experiments.pipeline_freeze import FreezeRun, freeze_steps
 from course_lib.experiments.pipeline_model import add_model_args
 from course_lib.experiments.pipeline_steps import (HandmadeRun, StraightRun, TorchApiRun, fastest, handmade_step,
                                                    straight_step, torch_api_step)

@@ -40,7 +40,6 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, Node
-from torch.utils._python_dispatch import TorchDispatchMode
 
 
 @contextlib.contextmanager
@@ -159,29 +158,3 @@ def backward_weight(pending: WeightGrads) -> None:
         if used and params:
             # only the node's own weights as targets: autograd runs the node's weight side and nothing below
             torch.autograd.backward([e for e, _ in used], [g for _, g in used], inputs=params, retain_graph=True)
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the tensors each ATen op computes while active (``with OpCounter() as c: ...; c.counts``).
-
-    An op that returns several tensors counts once per tensor it computed: a
-    layer norm's backward asked for its input gradient only counts 1, asked
-    for everything 3, so two calls that split the work add up to one. Views
-    (``detach``, ``view``, ``t``, ...: a new header onto the same memory, no
-    arithmetic) count only with ``views=True``: autograd takes one each time it
-    unpacks a saved tensor through a hook (``saved_activation_bytes`` sets
-    one), so a node that runs twice, once in ``B`` and once in ``W``, takes its
-    views twice.
-    """
-
-    def __init__(self, views: bool = False) -> None:
-        super().__init__()
-        self.views = views
-        self.counts: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        result = func(*args, **(kwargs or {}))
-        if self.views or not func.is_view:
-            outs = result if isinstance(result, (tuple, list)) else (result,)
-            self.counts[func.overloadpacket.__name__] += sum(isinstance(o, torch.Tensor) for o in outs)
-        return result
