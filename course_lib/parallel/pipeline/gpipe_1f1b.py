@@ -58,6 +58,7 @@ def recv_forward(pipe: Pipe) -> torch.Tensor | None:
 
 
 def send_forward(pipe: Pipe, y: torch.Tensor) -> None:
+    """Our output to the next rank (the last rank sends nothing on: it holds the loss)."""
     if not pipe.last:
         dist.send(y.detach().contiguous(), pipe.rank + 1)
 
@@ -72,6 +73,7 @@ def recv_backward(pipe: Pipe, y: torch.Tensor) -> torch.Tensor | None:
 
 
 def send_backward(pipe: Pipe, dx: torch.Tensor | None) -> None:
+    """The gradient of our input back to the previous rank (rank 0's input is data: nothing goes back)."""
     if not pipe.first:
         dist.send(dx.contiguous(), pipe.rank - 1)
 
@@ -118,9 +120,7 @@ def backward(x: torch.Tensor | None, y: torch.Tensor, grad: torch.Tensor | None)
 def gpipe_step(pipe: Pipe, m: int, inputs: Sequence[torch.Tensor] | None = None,
                targets: Sequence[torch.Tensor] | None = None) -> list[float]:
     """All forwards, then all backwards; rank 0 passes the ``m`` micro-batches, the last rank their targets.
-
-    Returns the last rank's ``m`` losses (``[]`` elsewhere).
-    """
+    Returns the last rank's ``m`` losses (``[]`` elsewhere)."""
     kept, losses = [], []                         # kept: (input, output) of every micro-batch, all m at once
     for i in range(m):
         x = inputs[i].to(pipe.device) if pipe.first else recv_forward(pipe)
@@ -131,18 +131,15 @@ def gpipe_step(pipe: Pipe, m: int, inputs: Sequence[torch.Tensor] | None = None,
     for i in range(m):                            # backwards in the same order: micro-batch 0 first
         x, y = kept[i]
         send_backward(pipe, backward(x, y, recv_backward(pipe, y)))
-        kept[i] = None                            # drop the graph as soon as it is used
+        kept[i] = None                            # drop the graph once used (backward freed its saved tensors)
     return losses
 
 
 def one_f_one_b_step(pipe: Pipe, m: int, inputs: Sequence[torch.Tensor] | None = None,
                      targets: Sequence[torch.Tensor] | None = None) -> list[float]:
     """1F1B (PipeDream-Flush): warm-up forwards, then one forward one backward, then the backwards left.
-
-    Same arguments and result as ``gpipe_step``, same gradients; at most ``p - s`` micro-batches kept on rank ``s``.
-    """
-    kept, losses = [], []                         # (input, output) of the micro-batches between F and B
-    nxt = 0                                       # the next micro-batch to run forward
+    Same arguments, result and gradients as ``gpipe_step``; at most ``p - s`` micro-batches kept on rank ``s``."""
+    kept, losses, nxt = [], [], 0                 # (input, output) of micro-batches between F and B; next F
 
     def fwd(x: torch.Tensor | None) -> torch.Tensor:
         nonlocal nxt

@@ -1,33 +1,17 @@
 """The backward pass split in two, for zero-bubble schedules (chapter 08): ``B`` then ``W``, no op run twice.
 
-A backward pass computes two kinds of gradients. *Activation gradients* flow
-from the stage's output down to its input: the next rank's ``B`` produces
-them and the previous rank waits for the last one. *Weight gradients* branch
-off that chain, one per parameter, and nobody waits for them. For a linear
-layer ``z = x A^T + b`` autograd's node for the layer gets ``dz`` and computes
-``dx = dz A`` (activation side) and ``dA = dz^T x``, ``db = sum(dz)``
-(weight side).
+A backward computes *activation gradients*, which flow from the stage's output down to its input (the previous
+rank waits for the last one), and *weight gradients*, which branch off that chain and which nobody waits for. For
+``z = x A^T + b`` autograd's node gets ``dz`` and computes ``dx = dz A`` (chain) and ``dA = dz^T x``, ``db = sum(dz)``.
 
-``backward_input`` (``B``) asks autograd for the gradient at the stage's
-input and at every node that has a weight on its other side (a linear layer's
-matrix product, a layer norm, an embedding lookup), without the weights among
-its targets: autograd computes only the gradients that lead to those targets,
-so it skips every weight product. It keeps, per such node, the gradient that
-arrived there. ``backward_weight`` (``W``) later restarts autograd at each of
-those nodes with that gradient and the node's own weights as the only
-targets: the node computes its weight outputs only, and nothing below it runs
-again. Together they run exactly the ops of one ``backward()``
-(``tests/test_pipeline.py`` counts them with ``count_ops``).
-
-Which nodes are activations? Every tensor a module outputs is one, and so is
-every tensor computed from an activation; the rest of the graph (a weight's
-transpose, the weight itself) is weight side. On the first stage the input is
-data (token ids), so ``B`` computes no input gradient there, only the chain
-down to the embedding's output; ``W`` runs the embedding's backward.
-
-Cost: ``W`` makes one autograd call per weight-using node (a dozen per
-transformer stage here), which a fused implementation avoids; and the graph,
-with the gradients ``B`` left at those nodes, stays alive until ``W``.
+``backward_input`` (``B``) asks autograd for the gradient at the stage's input and at every node with a weight on
+its other side, with no weight among its targets: autograd computes only what leads to its targets, so it skips
+every weight product, and ``B`` keeps the gradient that reached each such node. ``backward_weight`` (``W``) restarts
+autograd at each of them with only the node's own weights as targets: nothing below it runs again. Together they
+run exactly the ops of one ``backward()`` (``tests/test_pipeline.py`` counts them). Activation nodes are the
+outputs of modules and everything computed from them; the rest (a weight, its transpose) is weight side. On the
+first stage the input is data: ``W`` runs the embedding's backward. Cost: one autograd call per weight-using node
+in ``W``, and the graph stays alive until ``W``.
 """
 
 from __future__ import annotations
