@@ -106,7 +106,7 @@ def timed_runs(a: argparse.Namespace, n: int, flush_m: int, seed: int, rank: int
         runs: list[StageRun] = []
         dist.barrier()                             # start together, so idle time is the schedule's
         if kind == "async":
-            meter = Meter(clock, pad, exclude=list(stage.parameters()))
+            meter = Meter(clock, pad, modules=[stage])
             losses = run_pipedream(stage, WeightStash(stage, opt), rank, world, n, shape, inputs=xs, targets=ys,
                                    loss_fn=lm_loss, watch=meter)
             runs.append(meter.result(rank, [], losses))

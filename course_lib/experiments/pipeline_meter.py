@@ -79,14 +79,16 @@ class StageRun:
 class Meter(Watch):
     """One rank's instruments: op times (padded to ``op_seconds``), activation bytes kept, messages sent.
 
-    A forward's bytes are the storages autograd saves while it runs, less the weights (``exclude``): chapter 01's
-    ``memory.saved_activation_bytes``, counted here around the op. ``count_ops`` slows the ops: for counting runs.
+    A forward's bytes are the storages autograd saves while the stage's ``modules`` run, less their weights:
+    chapter 01's ``memory.saved_activation_bytes`` (the last stage's loss left out, as the chapter's prediction
+    does). ``count_ops`` slows the ops: for counting runs.
     """
 
     def __init__(self, clock: Clock, op_seconds: dict[str, float] | None = None, count_ops: bool = False,
-                 exclude: Sequence[torch.Tensor] = ()):
+                 modules: Sequence[nn.Module] = ()):
         self.clock, self.op_seconds, self.count_ops = clock, op_seconds, count_ops
-        self.excluded = {_storage_key(t) for t in exclude}
+        self.modules, self.handles, self.counting = list(modules), [], False
+        self.excluded = {_storage_key(p) for mod in self.modules for p in mod.parameters()}
         self.marks: list[tuple[str, int, object, object, int]] = []   # (op, mb, began, ended, chunk), clock marks
         self.pads: list[object] = []                # resolved into overruns at the end (on CUDA that syncs)
         self.op_counts: list[dict[str, int]] = []
@@ -97,11 +99,14 @@ class Meter(Watch):
         self.peak_held = self.messages = self.bytes_sent = 0
 
     def begin(self) -> None:
+        for mod in self.modules:                    # count only while a stage module runs
+            self.handles += [mod.register_forward_pre_hook(lambda *_: setattr(self, "counting", True)),
+                             mod.register_forward_hook(lambda *_: setattr(self, "counting", False))]
         self.start = self.clock.start()
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         key = _storage_key(t)
-        if key not in self.excluded:
+        if self.counting and key not in self.excluded:
             self.saved[key] = t.untyped_storage().nbytes()
         return t
 
@@ -135,6 +140,8 @@ class Meter(Watch):
 
     def finish(self) -> None:
         self.end = self.clock.mark()
+        for h in self.handles:
+            h.remove()
 
     def result(self, rank: int, outputs: list[torch.Tensor], losses: list[float]) -> StageRun:
         sec = self.clock.seconds
@@ -157,8 +164,7 @@ def metered_stage(stage: nn.Module | Sequence[nn.Module], schedule: Schedule, ra
     before the barrier that starts the ranks together), padded to ``op_seconds``, their ATen ops counted
     (``count_ops``)."""
     meter = Meter(clock or clock_for(device), op_seconds, count_ops,
-                  exclude=[p for ch in (stage if isinstance(stage, (list, tuple)) else [stage])
-                           for p in ch.parameters()])
+                  modules=list(stage) if isinstance(stage, (list, tuple)) else [stage])
     outputs, losses = run_stage(stage, schedule, rank, in_shape, inputs, targets, loss_fn, device, ranks, meter)
     return meter.result(rank, outputs, losses)
 
