@@ -103,16 +103,18 @@ def send_backward_recv_forward(pipe: Pipe, dx: torch.Tensor | None) -> torch.Ten
 
 # ----------------------------------------------------------------------------- compute
 
-def forward(pipe: Pipe, x: torch.Tensor, target: torch.Tensor | None, m: int) -> torch.Tensor:
-    """The stage on ``x``, keeping its graph; on the last rank the loss / ``m``."""
-    y = pipe.stage(x)
-    return pipe.loss_fn(y, target) / m if pipe.last else y
+def forward(pipe: Pipe, i: int, x: torch.Tensor | None, inputs: Sequence[torch.Tensor] | None,
+            targets: Sequence[torch.Tensor] | None, m: int) -> torch.Tensor:
+    """Micro-batch ``i`` through the stage (rank 0 reads ``inputs[i]``, the others ``x``), keeping its graph; the
+    last rank returns the loss / ``m``."""
+    y = pipe.stage(inputs[i].to(pipe.device) if pipe.first else x)
+    return pipe.loss_fn(y, targets[i].to(pipe.device)) / m if pipe.last else y
 
 
 def backward(x: torch.Tensor | None, y: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor | None:
     """Back-propagate ``grad`` (``None``: ``y`` is the loss) from ``y``; return the input's gradient."""
     y.backward(grad)                              # frees this micro-batch's saved activations
-    return None if x is None or not x.requires_grad else x.grad
+    return None if x is None else x.grad
 
 
 # ----------------------------------------------------------------------------- the two schedules
@@ -121,44 +123,41 @@ def gpipe_step(pipe: Pipe, m: int, inputs: Sequence[torch.Tensor] | None = None,
                targets: Sequence[torch.Tensor] | None = None) -> list[float]:
     """All forwards, then all backwards; rank 0 passes the ``m`` micro-batches, the last rank their targets.
     Returns the last rank's ``m`` losses (``[]`` elsewhere)."""
-    kept, losses = [], []                         # kept: (input, output) of every micro-batch, all m at once
+    kept = []                                     # (input, output) of every micro-batch: all m at once
     for i in range(m):
-        x = inputs[i].to(pipe.device) if pipe.first else recv_forward(pipe)
-        y = forward(pipe, x, targets[i].to(pipe.device) if pipe.last else None, m)
+        x = recv_forward(pipe)
+        y = forward(pipe, i, x, inputs, targets, m)
         send_forward(pipe, y)
         kept.append((x, y))
-        losses += [y.item() * m] if pipe.last else []
+    losses = [y.detach() for _, y in kept] if pipe.last else []
     for i in range(m):                            # backwards in the same order: micro-batch 0 first
         x, y = kept[i]
         send_backward(pipe, backward(x, y, recv_backward(pipe, y)))
-        kept[i] = None                            # drop the graph once used (backward freed its saved tensors)
-    return losses
+        kept[i] = None                            # drop the graph once used
+    return [loss.item() * m for loss in losses]   # one host sync, at the end
 
 
 def one_f_one_b_step(pipe: Pipe, m: int, inputs: Sequence[torch.Tensor] | None = None,
                      targets: Sequence[torch.Tensor] | None = None) -> list[float]:
     """1F1B (PipeDream-Flush): warm-up forwards, then one forward one backward, then the backwards left.
     Same arguments, result and gradients as ``gpipe_step``; at most ``p - s`` micro-batches kept on rank ``s``."""
-    kept, losses, nxt = [], [], 0                 # (input, output) of micro-batches between F and B; next F
+    kept, losses = [], []                         # (input, output) of the micro-batches between F and B
 
-    def fwd(x: torch.Tensor | None) -> torch.Tensor:
-        nonlocal nxt
-        x = inputs[nxt].to(pipe.device) if pipe.first else x
-        y = forward(pipe, x, targets[nxt].to(pipe.device) if pipe.last else None, m)
-        losses.extend([y.item() * m] if pipe.last else [])
+    def fwd(i: int, x: torch.Tensor | None) -> torch.Tensor:
+        y = forward(pipe, i, x, inputs, targets, m)
         kept.append((x, y))
-        nxt += 1
+        losses.extend([y.detach()] if pipe.last else [])
         return y
 
     # 1. warm-up: p - s - 1 forwards, just enough that the first gradient comes back when the pipe is full
     warmup = min(pipe.world - pipe.rank - 1, m)
-    for _ in range(warmup):
-        send_forward(pipe, fwd(recv_forward(pipe)))
+    for i in range(warmup):
+        send_forward(pipe, fwd(i, recv_forward(pipe)))
     # 2. steady: one forward (the newest micro-batch), one backward (the oldest); at most warmup + 1 kept
     steady = m - warmup
     x = recv_forward(pipe) if steady > 0 else None
     for j in range(steady):
-        y = fwd(x)
+        y = fwd(warmup + j, x)
         grad = send_forward_recv_backward(pipe, y, kept[0][1])
         x_old, y_old = kept.pop(0)
         dx = backward(x_old, y_old, grad)
@@ -170,4 +169,4 @@ def one_f_one_b_step(pipe: Pipe, m: int, inputs: Sequence[torch.Tensor] | None =
     for _ in range(warmup):
         x_old, y_old = kept.pop(0)
         send_backward(pipe, backward(x_old, y_old, recv_backward(pipe, y_old)))
-    return losses
+    return [loss.item() * m for loss in losses]
