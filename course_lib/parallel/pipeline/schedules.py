@@ -129,23 +129,17 @@ def make_schedule(kind: str, num_stages: int, num_microbatches: int, chunks: int
 
 
 def bubble_formula(num_stages: int, num_microbatches: int, chunks: int = 1) -> float:
-    """The idle share of a GPipe or 1F1B pipeline with uniform stages: (p - 1) / (m + p - 1).
-
-    With ``chunks = v`` per device (interleaved 1F1B) the idle time is ``v``
-    times shorter: (p - 1) / (v m + p - 1).
-    """
+    """The idle share of a GPipe or 1F1B pipeline with uniform stages: (p - 1) / (m + p - 1); with ``chunks = v``
+    per device (interleaved 1F1B) the idle time is ``v`` times shorter: (p - 1) / (v m + p - 1)."""
     _check_sizes(num_stages, num_microbatches, chunks)
     return (num_stages - 1) / (chunks * num_microbatches + num_stages - 1)
 
 
 def zb_h1_bubble_formula(num_stages: int, num_microbatches: int, t_forward: float = 1.0,
                          t_backward: float = 2.0, t_weight: float | None = None) -> float:
-    """ZB-H1's idle share (Qi et al. 2024, section 3): each stage idles ``(p - 1)(T_F + T_B - T_W)``.
-
-    ``T_B`` is the input-gradient half of ``t_backward`` and ``T_W`` the weight
-    gradient (default: half each); 1F1B idles ``(p - 1)(T_F + T_B + T_W)``.
-    Holds for ``m >= p`` and ``T_W <= T_F`` (the reserve of ``W`` must be there, and fit, to fill the drain).
-    """
+    """ZB-H1's idle share (Qi et al. 2024, section 3): each stage idles ``(p - 1)(T_F + T_B - T_W)``, 1F1B
+    ``(p - 1)(T_F + T_B + T_W)``; ``T_B + T_W = t_backward`` (default half each). Holds for ``m >= p`` and
+    ``T_W <= T_F`` (the reserve of ``W`` must be there, and fit, to fill the drain)."""
     _check_sizes(num_stages, num_microbatches)
     t_w = t_backward / 2 if t_weight is None else t_weight
     idle = (num_stages - 1) * (t_forward + (t_backward - t_w) - t_w)
@@ -175,12 +169,8 @@ def frozen_prefix(schedule: Schedule) -> int:
 
 
 def check_schedule(schedule: Schedule) -> tuple[int, int, bool]:
-    """Check that every stage runs every op exactly once; return ``(p, m, has_w)``.
-
-    A frozen prefix (``frozen_prefix``: the first stages run forwards only,
-    ``freeze``) is allowed on plain schedules; the last stage must train.
-    Raises ``ValueError`` that names the stage and what is missing or repeated.
-    """
+    """Check that every stage runs every op exactly once; return ``(p, m, has_w)``. A frozen prefix (its stages
+    run forwards only, ``freeze``) is allowed on plain schedules; a ``ValueError`` names what is missing or repeated."""
     if not schedule or not all(isinstance(order, (list, tuple)) for order in schedule):
         raise ValueError("a schedule is a non-empty list with one list of (op, micro-batch) pairs per stage")
     for s, order in enumerate(schedule):
@@ -214,12 +204,9 @@ def check_schedule(schedule: Schedule) -> tuple[int, int, bool]:
 
 
 def inflight_counts(order: Sequence[Op]) -> list[int]:
-    """Micro-batches (micro-batch chunks, when interleaved) whose activations one stage holds after each op.
-
-    A forward stores a micro-batch's activations; its backward frees them (its
-    ``W`` when the backward is split, since the weight gradient still needs them).
-    A frozen stage (forwards only) keeps none: its forwards run without a graph.
-    """
+    """Micro-batches (chunks, when interleaved) whose activations one stage holds after each op: a forward stores
+    them, its backward frees them (its ``W`` when split: the weight gradient still needs them). A frozen stage
+    (forwards only) keeps none: its forwards run without a graph."""
     if _forward_only(order):
         return [0] * len(order)
     release = "W" if any(o[0] == "W" for o in order) else "B"
