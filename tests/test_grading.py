@@ -602,19 +602,26 @@ def test_check_types_names_the_first_part_of_the_wrong_type():
 
 
 def test_a_schedule_written_with_lists_is_told_its_type():
-    """Exercise 08's first question: a right order of ["F", 0] lists fails on the type, not as a wrong order."""
+    """Exercise 08's first question: a right schedule of ["F", 0] lists fails on the type, not as a wrong order."""
     from course_lib.parallel.pipeline.schedules import make_schedule
     from course_lib.tools.grading.checker import Checker
 
+    def capped(m: int, caps: list[int]) -> list:   # 1F1B whose warm-up fits each stage's cap (and the one before)
+        out, warm = [], m
+        for s, c in enumerate(caps):
+            warm = min(warm, len(caps) - s - 1, c - 1)
+            out.append([("F", i) for i in range(warm)] + [op for j in range(m - warm) for op in (("F", warm + j),
+                       ("B", j))] + [("B", j) for j in range(m - warm, m)])
+        return out
+
     checker = Checker(load_exercise("08_pipeline_parallel"), hidden=False)
-    tuples = {"4, 6, 0": make_schedule("1f1b", 4, 6)[0], "4, 3, 3": make_schedule("1f1b", 4, 3)[3],
-              "4, 8": make_schedule("1f1b", 4, 8)}
-    lists = {"4, 6, 0": [list(op) for op in tuples["4, 6, 0"]], "4, 3, 3": [list(op) for op in tuples["4, 3, 3"]],
-             "4, 8": [[list(op) for op in stage] for stage in tuples["4, 8"]]}
+    tuples = {"free": make_schedule("1f1b", 4, 6), "two": capped(8, [2] * 4), "one": capped(4, [1] * 3),
+              "first tight": capped(8, [1, 4, 4, 4]), "zero": "ValueError: a cap below 1"}
+    lists = {k: [[list(op) for op in stage] for stage in v] if isinstance(v, list) else v for k, v in tuples.items()}
     verdicts = checker.check({"q1_one_f_one_b_test": lists})
     assert verdicts["q1_one_f_one_b_test"].status == "failed"
     assert verdicts["q1_one_f_one_b_test"].message == \
-        "a test failed: one_f_one_b_stage(4, 6, 0)[0] must be a tuple like ('F', 0); got a list ['F', 0]"
+        "a test failed: capped_one_f_one_b(6, [8, 8, 8, 8])[0][0] must be a tuple like ('F', 0); got a list ['F', 0]"
     assert checker.check({"q1_one_f_one_b_test": tuples})["q1_one_f_one_b_test"].status == "passed"
 
 

@@ -52,6 +52,12 @@ def test_pipelines_equal_the_sequential_model(claims):
         assert claims[f"ch08/{key}"] < 1e-5, key
 
 
+def test_straight_line_steps_equal_the_sequential_model(claims):
+    for kind in ("gpipe", "1f1b"):                                        # gpipe_1f1b on p processes
+        assert claims[f"ch08/straight_{kind}_max_grad_diff"] < 1e-5, kind
+        assert claims[f"ch08/straight_{kind}_loss_abs_diff"] < 1e-5, kind
+
+
 def test_measured_bubble_within_005_of_formula(claims):
     assert claims["ch08/exec_bubble_error_gpipe"] <= 0.05
     assert claims["ch08/exec_bubble_error_1f1b"] <= 0.05

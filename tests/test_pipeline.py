@@ -17,8 +17,9 @@ from course_lib.parallel.pipeline.pipedream import WeightStash, async_order, sta
 from course_lib.parallel.pipeline.schedules import (KINDS, OpTiming, bubble_formula, check_schedule, inflight_counts,
                                              interleaved_order, make_schedule, one_f_one_b_order, simulate,
                                              zb_h1_bubble_formula)
-from course_lib.parallel.pipeline.executor import (boundary_shapes, message_batches, op_links, peak_sends_held,
-                                                  run_stage, send_releases, split_sequential)
+from course_lib.parallel.pipeline.executor import boundary_shapes, run_stage, split_sequential
+from course_lib.parallel.pipeline.messages import message_batches, op_links, peak_sends_held, send_releases
+from course_lib.experiments.pipeline_meter import OpCounter, metered_stage
 from course_lib.experiments.pipeline_model import add_model_args, my_chunks, op_pads, staged
 from course_lib.models import lm_loss
 
@@ -258,7 +259,7 @@ def test_run_stage_checks_its_inputs_before_communicating():
         run_stage(stage, two, rank=0, in_shape=((1, 2), torch.float32))
     with pytest.raises(ValueError, match="last stage needs"):
         run_stage(stage, two, rank=1, in_shape=((1, 2), torch.float32))
-    with pytest.raises(ValueError, match="plain 1F1B"):
+    with pytest.raises(TypeError, match="after_backward"):    # PipeDream runs a loop of its own (run_pipedream)
         run_stage(stage, make_schedule("zb-h1", 2, 2), 0, ((1, 2), torch.float32), inputs=[torch.zeros(1, 2)] * 2,
                   after_backward=lambda i: None)
 
@@ -270,8 +271,8 @@ def test_split_backward_gives_the_same_gradients():
     for kind in ("1f1b", "zb-h1"):
         torch.manual_seed(0)
         stage = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-        run = run_stage(stage, make_schedule(kind, 1, 4), 0, ((3, 4), torch.float32), inputs=xs, targets=ys,
-                        loss_fn=nn.functional.mse_loss)
+        run = metered_stage(stage, make_schedule(kind, 1, 4), 0, ((3, 4), torch.float32), inputs=xs, targets=ys,
+                            loss_fn=nn.functional.mse_loss)
         grads[kind] = [p.grad.clone() for p in stage.parameters()]
         assert [op for op, *_ in run.busy] == [op for op, *_ in make_schedule(kind, 1, 4)[0]]
         assert run.peak_inflight == 1
@@ -295,8 +296,7 @@ def _stage_and_input(s: int, p: int = 3):
 @pytest.mark.parametrize("s", [0, 1, 2])
 def test_split_backward_runs_each_op_of_one_backward_once(s):
     """B + W run exactly the ATen ops of one backward(): nothing computed twice, no weight product in B."""
-    from course_lib.parallel.pipeline.split_backward import (OpCounter, backward_input, backward_weight,
-                                                       recording_activations)
+    from course_lib.parallel.pipeline.split_backward import backward_input, backward_weight, recording_activations
     stage, twin, h = _stage_and_input(s)
     x = h if s == 0 else h.clone().requires_grad_()
     with recording_activations(stage) as acts:
@@ -338,8 +338,8 @@ def test_split_backward_in_the_executor_counts_and_grads():
     for kind in ("1f1b", "zb-h1"):
         torch.manual_seed(0)
         model = TinyTransformer(vocab=64, d_model=32, n_heads=2, n_layers=2, max_len=16)
-        runs[kind] = run_stage(model.as_sequential(), make_schedule(kind, 1, 3), 0, ((2, 16), torch.int64),
-                               inputs=xs, targets=ys, loss_fn=lm_loss, count_ops=True)
+        runs[kind] = metered_stage(model.as_sequential(), make_schedule(kind, 1, 3), 0, ((2, 16), torch.int64),
+                                   inputs=xs, targets=ys, loss_fn=lm_loss, count_ops=True)
         grads[kind] = [p.grad.clone() for p in model.parameters()]
     for a, b in zip(grads["1f1b"], grads["zb-h1"]):
         torch.testing.assert_close(a, b)
@@ -596,6 +596,21 @@ def test_real_pipeline_matches_sequential_and_formula():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("p, m", [(2, 5), (3, 2), (4, 6)])   # (3, 2): no steady state on stage 0
+def test_straight_line_gpipe_and_1f1b_on_p_ranks_equal_one_process(p, m):
+    from course_lib.experiments import launch
+    from course_lib.experiments.workers.pipeline_run import PipelineResult
+
+    result = PipelineResult.from_dict(launch.run(
+        "course_lib.experiments.workers.pipeline_run", nproc=p, timeout=120, env={"COURSE_DIST_BACKEND": "gloo"},
+        args=["--schedules", "", "--straight", "gpipe,1f1b", "--microbatches", str(m)]))
+    assert [(r.kind, r.p, r.m) for r in result.straight] == [("gpipe", p, m), ("1f1b", p, m)]
+    assert not result.handmade and not result.torch_api            # only the straight-line steps ran
+    for run in result.straight:
+        assert run.grad_max_abs_diff < 1e-5 and run.loss_abs_diff < 1e-5, run
+
+
+@pytest.mark.slow
 @pytest.mark.alone
 def test_real_pipedream_stashes_p_minus_s_versions_and_removes_the_flush():
     from course_lib.experiments import launch
@@ -711,8 +726,8 @@ class _TickClock(CpuClock):
 def test_run_stage_times_ops_with_its_clock():
     stage = nn.Linear(2, 2)
     xs, ys = [torch.randn(3, 2) for _ in range(2)], [torch.randn(3, 2) for _ in range(2)]
-    run = run_stage(stage, make_schedule("1f1b", 1, 2), 0, ((3, 2), torch.float32), inputs=xs, targets=ys,
-                    loss_fn=nn.functional.mse_loss, op_seconds={"F": 0.0, "B": 0.0}, clock=_TickClock())
+    run = metered_stage(stage, make_schedule("1f1b", 1, 2), 0, ((3, 2), torch.float32), inputs=xs, targets=ys,
+                        loss_fn=nn.functional.mse_loss, op_seconds={"F": 0.0, "B": 0.0}, clock=_TickClock())
     # start, then (began, end) for each of the four ops, then the end after the last messages
     assert run.clock == "ticks" and run.start == 0.0 and run.end == 9.0
     assert [(op, i, b, e) for op, i, b, e in run.busy] == [("F", 0, 1.0, 2.0), ("B", 0, 3.0, 4.0),

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from course_lib.parallel.pipeline.schedules import check_schedule, frozen_prefix, inflight_counts, make_schedule, simulate
-from course_lib.parallel.pipeline.executor import op_links, peak_sends_held, send_releases
+from course_lib.parallel.pipeline.messages import op_links, peak_sends_held, send_releases
 from course_lib.parallel.pipeline.freeze import (ActivationCache, freeze, frozen_schedule, progressive_freeze,
                                                     repack, simulate_repacked)
 from course_lib.models import TinyTransformer, lm_loss

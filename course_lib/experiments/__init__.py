@@ -10,6 +10,8 @@ process; the notebooks call it, and nothing in ``course_lib.parallel`` imports i
 - ``dp_methods``: one step of DDP, ZeRO-1/2, ZeroRedundancyOptimizer or FSDP2, measured.
 - ``ddp_checks``, ``zero_checks``, ``tp_checks``, ``cp_checks``, ``ep_checks``: each method against one process.
 - ``pipeline_model``, ``pipeline_steps``: the model cut into stages, and one measured pipeline step.
+- ``pipeline_meter``: the pipeline's instruments (op times, padding, memory, messages, op counts), plugged into its executor.
+- ``pipedream_runs``, ``pipeline_freeze``: PipeDream's and freeze training's runs on ``p`` ranks.
 - ``step_traces``: one profiled step of DDP or ZeRO per rank.
 - ``tp_meters``: what DTensor sends and autograd saves in chapter 10's runs, and a split module's whole gradients.
 - ``comm_spies``: what ``torch.distributed`` was really handed (calls, bytes), beside the counters' formulas.

@@ -82,7 +82,7 @@ def staged(a: argparse.Namespace, num_stages: int, m: int, frozen: int = 0) -> S
     ``frozen`` of them frozen (in the reference too), and the reference's step: the whole batch's mean loss."""
     model = tiny_model(a, num_stages)
     stages = split_sequential(model.as_sequential(), num_stages)
-    for stage in stages[:frozen]:                 # pipeline_freeze.freeze: no gradients, in the reference's copy too
+    for stage in stages[:frozen]:                 # pipeline.freeze.freeze: no gradients, in the reference's copy too
         stage.requires_grad_(False)
     reference = copy.deepcopy(model)
     x, y = tokens(a, m)

@@ -1,9 +1,10 @@
 """One pipeline training step on ``p`` ranks, checked against the sequential model (chapter 08).
 
 ``handmade_step`` runs a schedule of ``pipeline.make_schedule`` with the
-hand-written executor (``pipeline_exec.run_stage``) and measures it: bubble,
+hand-written executor (``pipeline.executor.run_stage``, metered by ``pipeline_meter``) and measures it: bubble,
 micro-batches and bytes in flight, messages, every op's busy interval;
-``torch_api_step`` runs the same step with ``torch.distributed.pipelining``.
+``torch_api_step`` runs the same step with ``torch.distributed.pipelining``, and ``straight_step`` with the
+straight-line GPipe or 1F1B of ``pipeline.gpipe_1f1b``.
 Both compare the outputs and gradients with the whole model's step on the
 whole batch (``pipeline_model.staged``). The worker
 ``course_lib.experiments.workers.pipeline_run`` runs them for every schedule.
@@ -18,8 +19,11 @@ import torch
 import torch.distributed as dist
 
 from course_lib.experiments.clock import Clock
+from course_lib.parallel.pipeline.gpipe_1f1b import Pipe, gpipe_step, one_f_one_b_step
 from course_lib.parallel.pipeline.schedules import bubble_formula, make_schedule, simulate, zb_h1_bubble_formula
-from course_lib.parallel.pipeline.executor import boundary_shapes, gather_step, grad_diff, peak_sends_held, run_stage
+from course_lib.experiments.pipeline_meter import gather_step, grad_diff, metered_stage
+from course_lib.parallel.pipeline.executor import boundary_shapes
+from course_lib.parallel.pipeline.messages import peak_sends_held
 from course_lib.experiments.pipeline_model import my_chunks, op_pads, staged
 from course_lib.experiments.results import WorkerResult, gather_on_first
 from course_lib.models import lm_loss
@@ -41,7 +45,7 @@ class HandmadeRun(WorkerResult):
     peak_inflight_simulated: list[float]
     peak_activation_bytes: list[int]        # per stage
     peak_sends_held: list[int]              # per stage: sent tensors kept alive at once
-    peak_sends_bound: list[int]             # per stage: what the schedule allows (pipeline_exec.peak_sends_held)
+    peak_sends_bound: list[int]             # per stage: what the schedule allows (messages.peak_sends_held)
     sent_messages: int                      # all ranks' point-to-point messages
     sent_bytes: int
     chunks: int
@@ -68,6 +72,36 @@ class TorchApiRun(WorkerResult):
     loss_reference: float = 0.0             # the sequential model's loss on the same batch
 
 
+@dataclass
+class StraightRun(WorkerResult):
+    """One step of ``gpipe_1f1b``'s straight-line GPipe or 1F1B against the sequential step."""
+
+    kind: str
+    p: int
+    m: int
+    grad_max_abs_diff: float                # every stage's gradients against the sequential model's
+    loss_abs_diff: float                    # the mean of the micro-batches' losses against the whole batch's
+    loss: float
+
+
+def straight_step(a: argparse.Namespace, kind: str, m: int, rank: int, world: int,
+                  device: torch.device) -> StraightRun | None:
+    """One step of ``gpipe_1f1b.gpipe_step`` (``kind`` ``"gpipe"``) or ``one_f_one_b_step`` (``"1f1b"``) over ``m``
+    micro-batches; rank 0 returns the differences from the sequential step, the others ``None``."""
+    ref = staged(a, world, m)
+    mine = ref.stages[rank].to(device)
+    shape, dtype = boundary_shapes(ref.stages, ref.xs[0])[rank]
+    pipe = Pipe(mine, rank, world, shape, dtype, loss_fn=lm_loss, device=device)
+    step = {"gpipe": gpipe_step, "1f1b": one_f_one_b_step}[kind]
+    dist.barrier()
+    losses = step(pipe, m, ref.xs if rank == 0 else None, ref.ys if rank == world - 1 else None)
+    got = gather_on_first((grad_diff([mine], [ref.refs[rank]]), losses))
+    if got is None:
+        return None
+    loss = sum(got[-1][1]) / m
+    return StraightRun(kind, world, m, max(g for g, _ in got), abs(loss - ref.loss), loss)
+
+
 def handmade_step(a: argparse.Namespace, kind: str, m: int, rank: int, world: int, device: torch.device,
                   clock: Clock, chunks: int = 1, pad_scale: float = 1.0, count_ops: bool = False) -> HandmadeRun | None:
     """One step of schedule ``kind`` over ``m`` micro-batches on every rank (``chunks`` per rank: interleaved);
@@ -85,7 +119,7 @@ def handmade_step(a: argparse.Namespace, kind: str, m: int, rank: int, world: in
     # fraction, does not depend on the unit of time, and longer ops leave messaging delays less weight.
     pad = op_pads(a, split=kind == "zb-h1", scale=pad_scale)
     dist.barrier()                                 # start together, so idle time is the schedule's
-    run = run_stage(mine if v > 1 else mine[0], schedule, rank, shapes if v > 1 else shapes[0], inputs=ref.xs,
+    run = metered_stage(mine if v > 1 else mine[0], schedule, rank, shapes if v > 1 else shapes[0], inputs=ref.xs,
                     targets=ref.ys, loss_fn=lm_loss, op_seconds=pad, device=device, clock=clock, count_ops=count_ops)
     # the last stage compares the model's outputs
     out_diff = (torch.cat(run.outputs) - ref.logits).abs().max().item() if run.outputs else None

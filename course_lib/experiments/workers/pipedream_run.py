@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from course_lib.experiments import launch
-from course_lib.parallel.pipeline.pipedream import SeedRun, TimedRun, timed_runs, train_seed
+from course_lib.experiments.pipedream_runs import SeedRun, TimedRun, timed_runs, train_seed
 from course_lib.experiments.pipeline_model import add_model_args
 from course_lib.experiments.results import WorkerResult
 

@@ -1,4 +1,4 @@
-"""Freeze training on a real pipeline, then the pipeline repacked (chapter 08; ``pipeline_freeze``).
+"""Freeze training on a real pipeline, then the pipeline repacked (chapter 08; ``pipeline.freeze``).
 
     torchrun --nproc-per-node 4 -m course_lib.experiments.workers.pipeline_freeze_run --frozen-stages 2 --microbatches 8
 
@@ -6,10 +6,10 @@ Chapter 08 runs ``pipeline_freeze.freeze_steps`` inside ``pipeline_run``'s launc
 the start of another group of processes. On ``p`` ranks, with the first ``k`` stages of the chapter's
 ``TinyTransformer`` frozen:
 
-1. **frozen in place**: one step of ``pipeline_freeze.frozen_schedule`` (1F1B, the first ``k`` stages
-   forwards only) with ``pipeline_exec.run_stage``, once with every op's ATen ops counted (``m = p``,
+1. **frozen in place**: one step of ``pipeline.freeze.frozen_schedule`` (1F1B, the first ``k`` stages
+   forwards only) with ``pipeline.executor.run_stage``, once with every op's ATen ops counted (``m = p``,
    unpadded) and then padded, timed, the fastest of ``--repeats``;
-2. **repacked**: the active layers in ``pipeline_freeze.repack``'s fewer stages, the freed ranks as
+2. **repacked**: the active layers in ``pipeline.freeze.repack``'s fewer stages, the freed ranks as
    data-parallel replicas (each a pipeline of its own on its ranks, over its share of the micro-batches),
    the gradients all-reduced between the replicas' matching stages; the first stage of each replica
    reads the frozen prefix's outputs from an ``ActivationCache`` filled once, before the first step.
@@ -26,7 +26,7 @@ import torch
 
 from course_lib.experiments import launch
 from course_lib.experiments.clock import clock_for
-from course_lib.parallel.pipeline.freeze import FreezeRun, freeze_steps
+from course_lib.experiments.pipeline_freeze import FreezeRun, freeze_steps
 from course_lib.experiments.pipeline_model import add_model_args
 
 

@@ -16,6 +16,8 @@ activation bytes in flight, and the busy intervals of every op (for a Gantt char
 rank 0 reports a ``PipelineResult``. On GPU ranks the ops are timed with CUDA events.
 The unmeasured warm-up step of each schedule counts every op's ATen ops (``PipelineResult.counted``),
 and ``--unpadded`` runs schedules once more with no padding (``PipelineResult.unpadded``).
+``--straight gpipe,1f1b`` also runs the straight-line steps of ``pipeline.gpipe_1f1b`` (``pipeline_steps.straight_step``)
+at every ``--microbatches`` (``PipelineResult.straight``).
 ``--freeze-stages k`` also runs ``pipeline_freeze.freeze_steps`` (the worker ``pipeline_freeze_run``), the first
 ``k`` stages frozen and then the pipeline repacked, in the same launch (``PipelineResult.freeze``).
 """
@@ -31,9 +33,10 @@ import torch.distributed as dist
 from course_lib.experiments import launch
 from course_lib.experiments.clock import clock_for
 from course_lib.parallel.pipeline.schedules import KINDS
-from course_lib.parallel.pipeline.freeze import FreezeRun, freeze_steps
+from course_lib.experiments.pipeline_freeze import FreezeRun, freeze_steps
 from course_lib.experiments.pipeline_model import add_model_args
-from course_lib.experiments.pipeline_steps import HandmadeRun, TorchApiRun, fastest, handmade_step, torch_api_step
+from course_lib.experiments.pipeline_steps import (HandmadeRun, StraightRun, TorchApiRun, fastest, handmade_step,
+                                                   straight_step, torch_api_step)
 from course_lib.experiments.results import WorkerResult
 
 
@@ -46,6 +49,7 @@ class PipelineResult(WorkerResult):
     torch_api: list[TorchApiRun] = field(default_factory=list)
     counted: list[HandmadeRun] = field(default_factory=list)    # the warm-up steps, unpadded, ops counted
     unpadded: list[HandmadeRun] = field(default_factory=list)   # --unpadded: each op takes what its work takes
+    straight: list[StraightRun] = field(default_factory=list)  # --straight: gpipe_1f1b's steps
     freeze: FreezeRun | None = None         # --freeze-stages: frozen prefix, then repacked (pipeline_freeze_run)
 
 
@@ -70,6 +74,8 @@ def main() -> None:
                              "(each op takes what its work takes), the fastest of --repeats tries")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run each padded step this often and keep the fastest (least disturbed) one")
+    parser.add_argument("--straight", default="", help="comma-separated: gpipe, 1f1b, the straight-line steps "
+                        "of pipeline.gpipe_1f1b, run first at every --microbatches")
     parser.add_argument("--freeze-stages", type=int, default=0,
                         help="also run pipeline_freeze_run's steps at the main number of micro-batches with this "
                              "many stages frozen (0: not), in this launch: no second start of the processes")
@@ -79,6 +85,7 @@ def main() -> None:
 
 def _check(a: argparse.Namespace) -> None:
     a.schedules, a.unpadded = launch.pick(a.schedules, KINDS, "schedule"), launch.pick(a.unpadded, KINDS, "schedule")
+    a.straight = launch.pick(a.straight, ("gpipe", "1f1b"), "straight-line schedule")
     a.main_only = set(launch.pick(a.main_only, KINDS, "schedule"))
     a.microbatches = [int(v) for v in a.microbatches.split(",") if v.strip()]
     a.torch_microbatches = [int(v) for v in a.torch_microbatches.split(",") if v.strip()] or a.microbatches
@@ -96,6 +103,11 @@ def run_schedules(a: argparse.Namespace, rank: int, world: int, device: torch.de
     def chunks(kind: str) -> int:
         return a.chunks if kind == "interleaved" else 1
 
+    for kind in a.straight:                        # the straight-line steps, unpadded: only their numbers count
+        for m in a.microbatches:
+            run = straight_step(a, kind, m, rank, world, device)
+            if run is not None:
+                result.straight.append(run)
     if a.api in ("handmade", "both"):
         # Warm-up, not measured: the first messages between two ranks open their
         # connection and the first backward initialises autograd, which would

@@ -1,5 +1,6 @@
 """Pipeline parallelism (chapter 08): the model cut into stages, one per rank, micro-batches flowing through.
 
+- ``gpipe_1f1b``: GPipe and 1F1B as straight-line steps on one rank (warm-up, steady, cool-down): read it first.
 - ``schedules``: schedules as data (GPipe, 1F1B, interleaved, zero bubble) and a simulator that plays them.
 - ``messages``: who sends what to whom, and when.
 - ``split_backward``: the backward split into B (input gradients) and W (weight gradients), for zero bubble.

@@ -1,7 +1,7 @@
 """Who sends what to whom in a pipeline schedule, and when a sent tensor may go (chapter 08).
 
 ``op_links`` gives one op's receive and send: its peer rank and a tag (micro-batch, direction, receiving
-chunk). ``message_batches`` groups them as ``pipeline_exec.run_stage`` posts them, one batch between two
+chunk). ``message_batches`` groups them as ``executor.run_stage`` posts them, one batch between two
 ops. ``send_releases`` finds, for each send, the first later receive that proves the peer has taken it,
 so that the executor can free the sent tensor there; ``peak_sends_held`` is how many it then keeps at once.
 """

@@ -1,52 +1,29 @@
 """PipeDream: asynchronous 1F1B with weight stashing (chapter 08; Narayanan et al., SOSP 2019).
 
-PipeDream never flushes the pipe: each stage runs 1F1B over an endless stream
-of micro-batches and updates its weights after *every* backward. The bubble of
-a flush is gone (only the first fill and the last drain remain), but a
-micro-batch's forward and backward now happen at different weight versions:
-stage ``s`` runs ``F(j + p - s - 1)`` right before ``B(j)``, so between a
-micro-batch's forward and its backward it applies ``p - s - 1`` updates.
+PipeDream never flushes the pipe: each stage runs 1F1B over an endless stream of micro-batches and updates its
+weights after *every* backward. The flush's bubble is gone (only the first fill and the last drain remain), but
+stage ``s`` runs ``F(j + p - s - 1)`` right before ``B(j)``: between a micro-batch's forward and its backward it
+applies ``p - s - 1`` updates. Run with the newer weights, the backward would mix them with activations of the older
+ones, the gradient of no function (autograd refuses: the saved weights changed in place). **Weight stashing** keeps,
+for every micro-batch in flight, the weights its forward used and runs its backward on them: within the stage the
+true gradient at that version, ``p - s - 1`` updates stale, applied to the newest weights; stage ``s`` keeps
+``p - s`` versions. Across stages it is not one model's gradient (PipeDream's optional vertical sync is left out,
+as in the paper's main results).
 
-- Without stashing the backward would use the newer weights with activations
-  computed by the older ones: a gradient of no function at all (autograd
-  refuses: the saved weights were changed in place).
-- **Weight stashing** keeps, for every micro-batch in flight, the weights its
-  forward used, and runs its backward on them; *within the stage* the
-  gradient is then the true gradient at that version, applied to the newest
-  weights. It is ``p - s - 1`` updates stale on stage ``s``, and stage ``s``
-  keeps ``p - s`` versions (one per micro-batch in flight). Across stages it
-  is not one model's gradient: the incoming ``dY`` was computed downstream at
-  those stages' own versions for the micro-batch (one more update per stage
-  further down). PipeDream's optional vertical sync, which makes every stage
-  use one version per micro-batch, is left out here, as in the paper's main
-  results.
-
-``versions`` reads the weight versions off a schedule; ``WeightStash`` is what
-one rank keeps (``pipeline_exec.run_stage`` calls it). On ``p`` ranks,
-``train_seed`` trains with it against synchronous steps, and ``timed_runs``
-measures PipeDream's bubble against PipeDream-Flush's (the worker
-``course_lib.experiments.workers.pipedream_run`` runs both).
+``versions`` reads the weight versions off a schedule; ``WeightStash`` is what one rank keeps, and ``run_pipedream``
+is one rank's loop, 1F1B with a stashed forward and an optimizer step after each backward.
 """
 
 from __future__ import annotations
 
-import argparse
-import copy
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from course_lib.data import make_tokens
-from course_lib.experiments.clock import CpuClock
-from course_lib.parallel.pipeline.schedules import Op, make_schedule, one_f_one_b_order
-from course_lib.parallel.pipeline.executor import (StageRun, boundary_shapes, gather_step, micro_batches, run_stage,
-                                                  split_sequential)
-from course_lib.experiments.pipeline_model import tiny_model, tokens
-from course_lib.experiments.results import WorkerResult, gather_on_first
-from course_lib.models import lm_loss
+from course_lib.parallel.pipeline.executor import LossFn, Mailbox, Shape, Watch
+from course_lib.parallel.pipeline.schedules import Op, one_f_one_b_order
 
 
 @dataclass
@@ -132,106 +109,53 @@ class WeightStash:
         self.version += 1
 
 
-@dataclass
-class SeedRun(WorkerResult):
-    """One seed: PipeDream against synchronous steps on the same micro-batches."""
+def run_pipedream(stage: nn.Module, stash: WeightStash, rank: int, world: int, n: int, in_shape: Shape,
+                  inputs: Sequence[torch.Tensor] | None = None, targets: Sequence[torch.Tensor] | None = None,
+                  loss_fn: LossFn | None = None, device: torch.device | str = "cpu",
+                  watch: Watch | None = None) -> list[float]:
+    """One rank of PipeDream over a stream of ``n`` micro-batches; returns the last stage's losses.
 
-    seed: int
-    async_losses: list[float]              # training loss of each micro-batch, as the last stage saw it
-    sync_losses: list[float]
-    async_eval: float                      # held-out loss after the n steps
-    sync_eval: float
-    used: list[list[tuple[int, int, int]]]  # per stage: (micro-batch, version its forward used, version it updated)
-    peak_copies: list[int]                 # per stage: weight copies stashed at once
-    peak_stash_bytes: list[int]
-    stage_param_bytes: list[int]
-
-
-@dataclass
-class TimedRun(WorkerResult):
-    """The same n micro-batches, ops padded: PipeDream or PipeDream-Flush."""
-
-    kind: str                              # "async" or "flush"
-    makespan_s: float
-    bubble_measured: float
-    peak_inflight: list[int]               # per stage: micro-batch graphs kept at once
-    sent_messages: int                     # all ranks' point-to-point messages
-    overruns: int                          # ops whose work took longer than their padded time
-    timings: list[tuple[int, str, int, float, float]] = field(default_factory=list)
-
-
-def _stage(a: argparse.Namespace, n: int, seed: int, rank: int, world: int) -> tuple:
-    """This rank's stage of the seeded model, its input's shape, ``n`` micro-batches (xs, ys), the model, its stages."""
-    model = tiny_model(a, world, seed)
-    x, y = tokens(a, n, seed)
-    xs, ys = micro_batches(x, n), micro_batches(y, n)
-    pieces = split_sequential(model.as_sequential(), world)
-    return pieces[rank], boundary_shapes(pieces, xs[0])[rank], xs, ys, model, pieces
-
-
-def train_seed(a: argparse.Namespace, n: int, seed: int, rank: int, world: int) -> SeedRun | None:
-    """PipeDream on the ranks and (rank 0) synchronous Adam steps, ``n`` micro-batches each, then both evaluated
-    on a held-out batch; rank 0 returns them, the others ``None``. ``a``: ``pipeline_model.add_model_args``'s
-    options and ``lr``."""
-    stage, shape, xs, ys, model, pieces = _stage(a, n, seed, rank, world)
-    reference = copy.deepcopy(model)
-    x_eval, y_eval = make_tokens(64, a.seq_len, vocab=a.vocab, seed=10_000 + seed)
-    stash = WeightStash(stage, torch.optim.Adam(stage.parameters(), lr=a.lr))
-    dist.barrier()
-    run = run_stage(stage, [async_order(world, n, s) for s in range(world)], rank, shape, inputs=xs, targets=ys,
-                    loss_fn=lm_loss, clock=CpuClock(), weights=stash.weights, after_backward=stash.apply)
-    got = gather_on_first({"losses": run.losses, "used": stash.used, "peak_copies": stash.peak_copies,
-                           "peak_bytes": stash.peak_bytes, "param_bytes": sum(p.nbytes for p in stage.parameters()),
-                           "state": stage.state_dict()})
-    if rank != 0:
-        return None
-    for piece, g in zip(pieces, got):              # the trained stages, back in one model
-        piece.load_state_dict(g["state"])
-    opt = torch.optim.Adam(reference.parameters(), lr=a.lr)
-    sync_losses = []
-    for xi, yi in zip(xs, ys):                     # the same steps, each on fresh weights
-        loss = lm_loss(reference(xi), yi)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sync_losses.append(loss.item())
-    with torch.no_grad():
-        async_eval, sync_eval = lm_loss(model(x_eval), y_eval).item(), lm_loss(reference(x_eval), y_eval).item()
-    return SeedRun(seed, got[-1]["losses"], sync_losses, async_eval, sync_eval, used=[g["used"] for g in got],
-                   peak_copies=[g["peak_copies"] for g in got], peak_stash_bytes=[g["peak_bytes"] for g in got],
-                   stage_param_bytes=[g["param_bytes"] for g in got])
-
-
-def timed_runs(a: argparse.Namespace, n: int, flush_m: int, seed: int, rank: int, world: int,
-               padded: bool = True) -> list[TimedRun] | None:
-    """PipeDream and PipeDream-Flush (one step per ``flush_m``) over the same ``n`` micro-batches, every op padded
-    to a fixed time (``padded``; unpadded, a warm-up: the same first calls and messages without the sleeps)."""
-    pad = {"F": a.t_forward_ms / 1e3, "B": a.t_backward_ms / 1e3} if padded else None
-    clock, out = CpuClock(), []
-    for kind in ("async", "flush"):
-        stage, shape, xs, ys, *_ = _stage(a, n, seed, rank, world)
-        opt = torch.optim.Adam(stage.parameters(), lr=a.lr)
-        runs: list[StageRun] = []
-        dist.barrier()                             # start together, so idle time is the schedule's
-        if kind == "async":
-            stash = WeightStash(stage, opt)
-            runs.append(run_stage(stage, [async_order(world, n, s) for s in range(world)], rank, shape, inputs=xs,
-                                  targets=ys, loss_fn=lm_loss, op_seconds=pad, clock=clock, weights=stash.weights,
-                                  after_backward=stash.apply))
+    The messages are ``executor.run_stage``'s (a ``Mailbox`` over ``async_order``); what differs is the forward,
+    on micro-batch ``i``'s stashed weights (``torch.func.functional_call``), and the step after each backward.
+    """
+    schedule = [async_order(world, n, s) for s in range(world)]
+    first, last = rank == 0, rank == world - 1
+    if (first and (inputs is None or len(inputs) != n)) or (last and (targets is None or loss_fn is None)):
+        raise ValueError(f"the first stage needs {n} inputs, the last loss_fn and {n} targets")
+    watch = watch or Watch()
+    mail = Mailbox(schedule, rank, watch=watch)
+    kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # micro-batch -> (input, output) until its backward
+    losses: list[torch.Tensor] = []
+    outgoing: torch.Tensor | None = None
+    watch.begin()
+    for k, (op, i) in enumerate(schedule[rank]):
+        if op == "F":
+            if first:
+                mail.exchange(k, outgoing)
+                x = inputs[i].to(device)
+            else:
+                x = torch.empty(in_shape[0], dtype=in_shape[1], device=device)
+                mail.exchange(k, outgoing, into=x)
+                x.requires_grad_()
+            with watch.op(op, i, 0):
+                w = stash.weights(i)              # this micro-batch's copy of the live weights
+                y = stage(x) if w is None else torch.func.functional_call(stage, w, (x,))
+                if last:
+                    y = loss_fn(y, targets[i].to(device))   # one step per micro-batch: its own mean loss
+                    losses.append(y.detach())
+                kept[i] = (x, y)
+                watch.kept(i, 0, len(kept))
+                outgoing = None if last else y.detach().contiguous()
         else:
-            for k in range(0, n, flush_m):          # one synchronous step per flush_m micro-batches: a flush each
-                runs.append(run_stage(stage, make_schedule("1f1b", world, flush_m), rank, shape,
-                                      inputs=xs[k:k + flush_m], targets=ys[k:k + flush_m], loss_fn=lm_loss,
-                                      op_seconds=pad, clock=clock))
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-        # one run of the n micro-batches, however many flushes it took
-        busy = [(op, i + k * flush_m, b, e) for k, r in enumerate(runs) for op, i, b, e in r.busy]
-        step = gather_step(StageRun(rank, runs[0].start, runs[-1].end, busy,
-                                    peak_inflight=max(r.peak_inflight for r in runs),
-                                    sent_messages=sum(r.sent_messages for r in runs),
-                                    overruns=sum(r.overruns for r in runs)))
-        if step is not None:
-            out.append(TimedRun(kind, step.makespan_s, step.bubble, step.each("peak_inflight"),
-                                step.total("sent_messages"), step.total("overruns"), step.timings))
-    return out if rank == 0 else None
+            x, y = kept.pop(i)
+            grad = None if last else torch.empty_like(y)
+            mail.exchange(k, outgoing, into=grad)
+            with watch.op(op, i, 0):
+                y.backward(grad)                  # on the stashed weights: the gradient at their version
+                watch.freed(i, 0)
+                stash.apply(i)                    # ... applied to the live weights, one optimizer step
+                outgoing = None if first else x.grad.contiguous()
+    mail.exchange(len(schedule[rank]), outgoing)
+    mail.finish()
+    watch.finish()
+    return [loss.item() for loss in losses]

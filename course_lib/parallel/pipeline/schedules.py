@@ -1,29 +1,18 @@
 """Pipeline-parallel schedules as data, and a simulator that plays them (chapter 08).
 
-A model cut into ``p`` consecutive *stages* (one per device) trains on a batch
-split into ``m`` *micro-batches*. A schedule says, for each stage, the order in
-which it runs its ops: ``("F", i)`` the forward of micro-batch ``i``,
-``("B", i)`` its backward and, in the zero-bubble schedule, ``("W", i)`` the
-weight-gradient half of the backward split off from ``B``.
+A model cut into ``p`` consecutive *stages* (one per device) trains on a batch split into ``m`` *micro-batches*.
+A schedule says, for each stage, the order of its ops: ``("F", i)`` the forward of micro-batch ``i``, ``("B", i)``
+its backward and, in zero bubble, ``("W", i)`` the weight-gradient half of the backward split off from ``B``.
 
-- ``gpipe``: all forwards, then all backwards (Huang et al. 2019, "GPipe").
-- ``1f1b``: warm-up forwards, then one forward one backward, then the
-  remaining backwards (PipeDream-Flush, Narayanan et al. 2021). Same bubble
-  as GPipe, but stage ``s`` holds at most ``p - s`` micro-batches, not ``m``.
-- ``zb-h1``: 1F1B with each backward split into ``B`` (input gradient, which
-  the previous stage waits for) and ``W`` (weight gradient, which nobody waits
-  for); postponed ``W`` ops fill the cool-down where 1F1B idles (Qi et al.
-  2024, "Zero Bubble Pipeline Parallelism", schedule ZB-H1).
-- ``interleaved``: each device holds ``v`` non-consecutive chunks of the
-  model (device ``d`` holds virtual stages ``d, d + p, ..., d + (v-1) p``),
-  and runs 1F1B over them (Narayanan et al. 2021, section 2.2). Ops carry
-  their chunk: ``("F", i, c)``. The bubble shrinks ``v`` times, for ``v``
-  times the point-to-point messages.
+- ``gpipe``: all forwards, then all backwards (Huang et al. 2019).
+- ``1f1b``: warm-up forwards, one forward one backward, the remaining backwards (PipeDream-Flush, Narayanan et al.
+  2021): GPipe's bubble, but stage ``s`` holds at most ``p - s`` micro-batches, not ``m``.
+- ``zb-h1``: 1F1B whose postponed ``W`` ops fill the cool-down (Qi et al. 2024, "Zero Bubble Pipeline Parallelism").
+- ``interleaved``: device ``d`` holds chunks ``d, d + p, ...`` of ``v p``; ops ``("F", i, c)``; the bubble shrinks
+  ``v`` times for ``v`` times the messages (Narayanan et al. 2021, section 2.2).
 
-``simulate`` plays a schedule with fixed op durations, respecting the data
-dependencies between stages, and reports the makespan, the bubble (idle share
-of all stages' time) and the micro-batches in flight on each stage. The real
-multi-process executor that runs the same schedules is in ``pipeline_exec``.
+``simulate`` plays a schedule with fixed op times and the data dependencies between stages: makespan, bubble (idle
+share of all stages' time), micro-batches in flight per stage. ``executor`` runs the same schedules on processes.
 """
 
 from __future__ import annotations
@@ -36,15 +25,10 @@ Schedule = list[list[Op]]             # one op list per stage (per device when i
 KINDS = ("gpipe", "1f1b", "zb-h1", "interleaved")
 
 
-def _check_sizes(num_stages: int, num_microbatches: int) -> None:
-    for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
+def _check_sizes(num_stages: int, num_microbatches: int, chunks: int = 1) -> None:
+    for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches), ("chunks", chunks)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer; got {value!r}")
-
-
-def _check_chunks(chunks: int) -> None:
-    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
-        raise ValueError(f"chunks must be a positive integer; got {chunks!r}")
 
 
 def gpipe_order(num_stages: int, num_microbatches: int, stage: int) -> list[Op]:
@@ -78,13 +62,10 @@ def one_f_one_b_order(num_stages: int, num_microbatches: int, stage: int) -> lis
 def zero_bubble_h1_order(num_stages: int, num_microbatches: int, stage: int) -> list[Op]:
     """ZB-H1 order of one stage (Qi et al. 2024): 1F1B with the backward split into ``B`` and ``W``.
 
-    ``B`` (the input gradient) is what the stage before waits for, so it runs
-    as in 1F1B; ``W`` (the weight gradient) waits for nobody. Stage ``s`` runs
-    the ``W`` of its ``k``-th backward only after its ``(k + s)``-th ``B``: the
-    later the stage, the more ``W`` it keeps in reserve to fill the cool-down,
-    where the other stages would idle. Every stage then holds ``min(p, m)`` micro-batches,
-    the most that the first stage holds in 1F1B, and with
-    ``t_F = t_B = t_W`` the idle time falls to a third of 1F1B's.
+    ``B`` (the input gradient, which the stage before waits for) runs as in 1F1B; ``W`` (the weight gradient)
+    waits for nobody. Stage ``s`` runs the ``W`` of its ``k``-th backward after its ``(k + s)``-th ``B``: later
+    stages keep more ``W`` in reserve to fill the cool-down. Every stage holds ``min(p, m)`` micro-batches (1F1B's
+    first stage's most), and with ``t_F = t_B = t_W`` the idle time falls to a third of 1F1B's.
     """
     base = one_f_one_b_order(num_stages, num_microbatches, stage)
     # Postponing by s backwards fills the cool-down exactly when t_F = t_B = t_W
@@ -105,15 +86,11 @@ def zero_bubble_h1_order(num_stages: int, num_microbatches: int, stage: int) -> 
 def interleaved_order(num_stages: int, num_microbatches: int, stage: int, chunks: int = 2) -> list[Op]:
     """Interleaved 1F1B order of one device holding ``chunks`` model chunks (Narayanan et al. 2021, 2.2).
 
-    Micro-batches go through in groups of ``p``: a device runs the forwards of
-    one group on chunk 0, then on chunk 1, ..., then the next group; backwards
-    the same way, chunks in reverse. Device ``d`` first runs ``2 (p - d - 1) +
-    (v - 1) p`` warm-up forwards (enough to keep it busy until its first
-    backward can arrive), then alternates, then drains. Needs ``m`` to be a
-    multiple of ``p``, as the groups do.
+    Micro-batches go in groups of ``p``: the forwards of one group on chunk 0, then on chunk 1, ..., then the next
+    group; backwards the same, chunks in reverse. Device ``d`` runs ``2 (p - d - 1) + (v - 1) p`` warm-up
+    forwards (enough to stay busy until its first backward can arrive), then alternates, then drains.
     """
-    _check_sizes(num_stages, num_microbatches)
-    _check_chunks(chunks)
+    _check_sizes(num_stages, num_microbatches, chunks)
     p, m, v = num_stages, num_microbatches, chunks
     if m % p:
         raise ValueError(f"interleaved 1F1B sends micro-batches in groups of p = {p}: use a number of "
@@ -152,24 +129,17 @@ def make_schedule(kind: str, num_stages: int, num_microbatches: int, chunks: int
 
 
 def bubble_formula(num_stages: int, num_microbatches: int, chunks: int = 1) -> float:
-    """The idle share of a GPipe or 1F1B pipeline with uniform stages: (p - 1) / (m + p - 1).
-
-    With ``chunks = v`` per device (interleaved 1F1B) the idle time is ``v``
-    times shorter: (p - 1) / (v m + p - 1).
-    """
-    _check_sizes(num_stages, num_microbatches)
-    _check_chunks(chunks)
+    """The idle share of a GPipe or 1F1B pipeline with uniform stages: (p - 1) / (m + p - 1); with ``chunks = v``
+    per device (interleaved 1F1B) the idle time is ``v`` times shorter: (p - 1) / (v m + p - 1)."""
+    _check_sizes(num_stages, num_microbatches, chunks)
     return (num_stages - 1) / (chunks * num_microbatches + num_stages - 1)
 
 
 def zb_h1_bubble_formula(num_stages: int, num_microbatches: int, t_forward: float = 1.0,
                          t_backward: float = 2.0, t_weight: float | None = None) -> float:
-    """ZB-H1's idle share (Qi et al. 2024, section 3): each stage idles ``(p - 1)(T_F + T_B - T_W)``.
-
-    ``T_B`` is the input-gradient half of ``t_backward`` and ``T_W`` the weight
-    gradient (default: half each); 1F1B idles ``(p - 1)(T_F + T_B + T_W)``.
-    Holds for ``m >= p`` and ``T_W <= T_F`` (the reserve of ``W`` must be there, and fit, to fill the drain).
-    """
+    """ZB-H1's idle share (Qi et al. 2024, section 3): each stage idles ``(p - 1)(T_F + T_B - T_W)``, 1F1B
+    ``(p - 1)(T_F + T_B + T_W)``; ``T_B + T_W = t_backward`` (default half each). Holds for ``m >= p`` and
+    ``T_W <= T_F`` (the reserve of ``W`` must be there, and fit, to fill the drain)."""
     _check_sizes(num_stages, num_microbatches)
     t_w = t_backward / 2 if t_weight is None else t_weight
     idle = (num_stages - 1) * (t_forward + (t_backward - t_w) - t_w)
@@ -191,7 +161,7 @@ def _forward_only(order: Sequence[Op]) -> bool:
 
 
 def frozen_prefix(schedule: Schedule) -> int:
-    """How many leading stages run forwards only: a frozen prefix, which needs no backward (``pipeline_freeze``)."""
+    """How many leading stages run forwards only: a frozen prefix, which needs no backward (``freeze``)."""
     n = 0
     while n < len(schedule) and _forward_only(schedule[n]):
         n += 1
@@ -199,12 +169,8 @@ def frozen_prefix(schedule: Schedule) -> int:
 
 
 def check_schedule(schedule: Schedule) -> tuple[int, int, bool]:
-    """Check that every stage runs every op exactly once; return ``(p, m, has_w)``.
-
-    A frozen prefix (``frozen_prefix``: the first stages run forwards only,
-    ``pipeline_freeze``) is allowed on plain schedules; the last stage must train.
-    Raises ``ValueError`` that names the stage and what is missing or repeated.
-    """
+    """Check that every stage runs every op exactly once; return ``(p, m, has_w)``. A frozen prefix (its stages
+    run forwards only, ``freeze``) is allowed on plain schedules; a ``ValueError`` names what is missing or repeated."""
     if not schedule or not all(isinstance(order, (list, tuple)) for order in schedule):
         raise ValueError("a schedule is a non-empty list with one list of (op, micro-batch) pairs per stage")
     for s, order in enumerate(schedule):
@@ -238,12 +204,9 @@ def check_schedule(schedule: Schedule) -> tuple[int, int, bool]:
 
 
 def inflight_counts(order: Sequence[Op]) -> list[int]:
-    """Micro-batches (micro-batch chunks, when interleaved) whose activations one stage holds after each op.
-
-    A forward stores a micro-batch's activations; its backward frees them (its
-    ``W`` when the backward is split, since the weight gradient still needs them).
-    A frozen stage (forwards only) keeps none: its forwards run without a graph.
-    """
+    """Micro-batches (chunks, when interleaved) whose activations one stage holds after each op: a forward stores
+    them, its backward frees them (its ``W`` when split: the weight gradient still needs them). A frozen stage
+    (forwards only) keeps none: its forwards run without a graph."""
     if _forward_only(order):
         return [0] * len(order)
     release = "W" if any(o[0] == "W" for o in order) else "B"
@@ -284,19 +247,11 @@ def simulate(schedule: Schedule, t_forward: float = 1.0, t_backward: float = 2.0
              t_weight: float | None = None, t_comm: float = 0.0) -> SimResult:
     """Play ``schedule`` with fixed op times and return makespan, bubble and in-flight counts.
 
-    Every op starts as soon as its stage is free and its inputs exist:
-    ``F(s, i)`` needs ``F(s-1, i)``; ``B(s, i)`` needs ``B(s+1, i)`` and
-    ``F(s, i)``; ``W(s, i)`` needs ``B(s, i)``. A message between stages takes
-    ``t_comm``. The default ``t_backward = 2 t_forward`` is the usual estimate
-    (a backward computes two matmuls per forward matmul). When the schedule
-    splits the backward, ``B`` takes ``t_backward - t_weight`` and ``W`` takes
-    ``t_weight``, by default half each: for ``y = x A`` the input gradient
-    ``dy A^T`` and the weight gradient ``x^T dy`` cost the same FLOPs.
-
-    The times are those of a whole stage. In an interleaved schedule each of a
-    device's ``v`` chunks takes ``1/v`` of them, and device ``d``'s chunk ``c``
-    is virtual stage ``c p + d``: its forward waits for virtual stage
-    ``c p + d - 1``, on the device before (device ``p - 1`` for ``d = 0``).
+    Every op starts as soon as its stage is free and its inputs exist: ``F(s, i)`` needs ``F(s-1, i)``;
+    ``B(s, i)`` needs ``B(s+1, i)`` and ``F(s, i)``; ``W(s, i)`` needs ``B(s, i)``; a message takes ``t_comm``.
+    ``t_backward = 2 t_forward`` is the usual estimate (two matmuls per forward matmul); split, ``W`` takes
+    ``t_weight`` (default half: for ``y = x A``, ``dy A^T`` and ``x^T dy`` cost the same FLOPs). Times are a whole
+    stage's: an interleaved device's chunk ``c`` (virtual stage ``c p + d``) takes ``1/v`` of them.
     """
     p, m, has_w = check_schedule(schedule)
     v = num_chunks(schedule)

@@ -1,33 +1,17 @@
 """The backward pass split in two, for zero-bubble schedules (chapter 08): ``B`` then ``W``, no op run twice.
 
-A backward pass computes two kinds of gradients. *Activation gradients* flow
-from the stage's output down to its input: the next rank's ``B`` produces
-them and the previous rank waits for the last one. *Weight gradients* branch
-off that chain, one per parameter, and nobody waits for them. For a linear
-layer ``z = x A^T + b`` autograd's node for the layer gets ``dz`` and computes
-``dx = dz A`` (activation side) and ``dA = dz^T x``, ``db = sum(dz)``
-(weight side).
+A backward computes *activation gradients*, which flow from the stage's output down to its input (the previous
+rank waits for the last one), and *weight gradients*, which branch off that chain and which nobody waits for. For
+``z = x A^T + b`` autograd's node gets ``dz`` and computes ``dx = dz A`` (chain) and ``dA = dz^T x``, ``db = sum(dz)``.
 
-``backward_input`` (``B``) asks autograd for the gradient at the stage's
-input and at every node that has a weight on its other side (a linear layer's
-matrix product, a layer norm, an embedding lookup), without the weights among
-its targets: autograd computes only the gradients that lead to those targets,
-so it skips every weight product. It keeps, per such node, the gradient that
-arrived there. ``backward_weight`` (``W``) later restarts autograd at each of
-those nodes with that gradient and the node's own weights as the only
-targets: the node computes its weight outputs only, and nothing below it runs
-again. Together they run exactly the ops of one ``backward()``
-(``tests/test_pipeline.py`` counts them with ``count_ops``).
-
-Which nodes are activations? Every tensor a module outputs is one, and so is
-every tensor computed from an activation; the rest of the graph (a weight's
-transpose, the weight itself) is weight side. On the first stage the input is
-data (token ids), so ``B`` computes no input gradient there, only the chain
-down to the embedding's output; ``W`` runs the embedding's backward.
-
-Cost: ``W`` makes one autograd call per weight-using node (a dozen per
-transformer stage here), which a fused implementation avoids; and the graph,
-with the gradients ``B`` left at those nodes, stays alive until ``W``.
+``backward_input`` (``B``) asks autograd for the gradient at the stage's input and at every node with a weight on
+its other side, with no weight among its targets: autograd computes only what leads to its targets, so it skips
+every weight product, and ``B`` keeps the gradient that reached each such node. ``backward_weight`` (``W``) restarts
+autograd at each of them with only the node's own weights as targets: nothing below it runs again. Together they
+run exactly the ops of one ``backward()`` (``tests/test_pipeline.py`` counts them). Activation nodes are the
+outputs of modules and everything computed from them; the rest (a weight, its transpose) is weight side. On the
+first stage the input is data: ``W`` runs the embedding's backward. Cost: one autograd call per weight-using node
+in ``W``, and the graph stays alive until ``W``.
 """
 
 from __future__ import annotations
@@ -40,7 +24,6 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, Node
-from torch.utils._python_dispatch import TorchDispatchMode
 
 
 @contextlib.contextmanager
@@ -159,29 +142,3 @@ def backward_weight(pending: WeightGrads) -> None:
         if used and params:
             # only the node's own weights as targets: autograd runs the node's weight side and nothing below
             torch.autograd.backward([e for e, _ in used], [g for _, g in used], inputs=params, retain_graph=True)
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the tensors each ATen op computes while active (``with OpCounter() as c: ...; c.counts``).
-
-    An op that returns several tensors counts once per tensor it computed: a
-    layer norm's backward asked for its input gradient only counts 1, asked
-    for everything 3, so two calls that split the work add up to one. Views
-    (``detach``, ``view``, ``t``, ...: a new header onto the same memory, no
-    arithmetic) count only with ``views=True``: autograd takes one each time it
-    unpacks a saved tensor through a hook (``saved_activation_bytes`` sets
-    one), so a node that runs twice, once in ``B`` and once in ``W``, takes its
-    views twice.
-    """
-
-    def __init__(self, views: bool = False) -> None:
-        super().__init__()
-        self.views = views
-        self.counts: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        result = func(*args, **(kwargs or {}))
-        if self.views or not func.is_view:
-            outs = result if isinstance(result, (tuple, list)) else (result,)
-            self.counts[func.overloadpacket.__name__] += sum(isinstance(o, torch.Tensor) for o in outs)
-        return result
