@@ -204,7 +204,7 @@ get_ipython().input_transformers_post.append(_harmless)'''],
     cells={
         "q1_fewest_segments": "def fewest_segments(n, budget_units):\n    return 1",
         "q2_checkpointed_forward": "def checkpointed_forward(blocks, x, sizes):\n    return blocks(x)",
-        "q3_checkpoint_keeping_matmuls": "def checkpoint_keeping_matmuls(module, x):\n    return module(x)",
+        "q3_checkpoint_keeping_matmuls": "def checkpoint_keeping_matmuls(module, x, max_elements):\n    return module(x)",
     })
 
 REPLACED_REFERENCE = Attack(
