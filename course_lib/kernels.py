@@ -21,15 +21,20 @@ import os
 import platform
 import subprocess
 import sys
+from contextlib import nullcontext, suppress
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
+
+import torch
+from torch import nn
+# no public API: a dispatch mode is the only way to see every matmul, _push_mode the only way to put one at the
+# bottom of the stack for good (guard_forced), tree_map the one that walks an op's nested arguments
+from torch.utils._python_dispatch import TorchDispatchMode, _push_mode
+from torch.utils._pytree import tree_map
 
 from course_lib.timing import time_s
-
-if TYPE_CHECKING:
-    import torch
 
 FORCE_ENV = "COURSE_KERNELS"
 VERDICTS = ("native", "slow", "broken")
@@ -47,8 +52,6 @@ KERNELS = {
 # 256 x 256 on the EPYC. torchao: its eager layer adds casts and amax reductions around each small matmul: 3.4-4.5
 # on the EPYC, where its _scaled_mm took 3.
 SLOW_RATIO = {"bf16": 3.0, "fp16": 3.0, "fp8": 10.0, "torchao": 30.0}
-# A first call this many times past its limit is verdict enough: a 3,000x kernel is not called twice.
-_CLEARLY = 10.0
 
 
 @dataclass(frozen=True)
@@ -61,21 +64,21 @@ class Verdict:
     error: str | None = None  # what it raised
     forced: bool = False      # set by COURSE_KERNELS, not measured
 
+    def _how(self, brief: bool) -> str:
+        return ("forced" + ("" if brief else f" by {FORCE_ENV}") if self.forced else
+                f"raises {self.error.split(':')[0] if brief else self.error}" if self.error else
+                f"{self.ratio:.2g}x fp32" + ("" if brief else "'s time") if self.ratio is not None else "not measured")
+
     def summary(self) -> str:
         """One line: the verdict, the measured ratio or the error, and what the course runs."""
-        how = (f"forced by {FORCE_ENV}" if self.forced else
-               f"raises {self.error}" if self.error else
-               f"{self.ratio:.2g}x fp32's time" if self.ratio is not None else "not measured")
         runs = ("the kernel runs" if self.verdict == "native" else
                 f"past {SLOW_RATIO[self.kernel]:g}x: its emulated twin runs" if self.verdict == "slow" else
                 "its emulated twin runs")
-        return f"{self.kernel}: {self.verdict} ({how}; {runs})"
+        return f"{self.kernel}: {self.verdict} ({self._how(brief=False)}; {runs})"
 
     def short(self) -> str:
         """A few words: ``fp8 native (3.1x fp32)``, ``fp8 broken (raises RuntimeError)``, ``bf16 slow (forced)``."""
-        how = ("forced" if self.forced else f"raises {self.error.split(':')[0]}" if self.error else
-               f"{self.ratio:.2g}x fp32" if self.ratio is not None else "not measured")
-        return f"{self.kernel} {self.verdict} ({how})"
+        return f"{self.kernel} {self.verdict} ({self._how(brief=True)})"
 
 
 def forced() -> dict[str, str]:
@@ -93,18 +96,14 @@ def forced() -> dict[str, str]:
 
 def _cpu_name() -> str:
     """The CPU's model name on Linux, macOS (Apple silicon included) or anything else Python can name."""
-    try:
+    with suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.lower().startswith(("model name", "hardware", "cpu model")):
                 return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     if sys.platform == "darwin":
-        try:
+        with suppress(OSError, subprocess.SubprocessError):
             return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
                                   timeout=5).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            pass
     return platform.processor() or platform.machine()
 
 
@@ -113,8 +112,6 @@ _ISA_SETTINGS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"
 
 def machine_key() -> str:
     """What the verdicts depend on: the CPU, the ISA PyTorch picked, its version, and the settings that cap it."""
-    import torch
-
     return "|".join([platform.machine(), _cpu_name(), torch.backends.cpu.get_cpu_capability(), torch.__version__,
                      *(f"{k}={os.environ.get(k, '')}" for k in _ISA_SETTINGS)])
 
@@ -141,15 +138,13 @@ def _ratio(kernel: Callable[[], object], fp32: Callable[[], object], limit: floa
     """The kernel's time over fp32's, the fastest of three calls each after a warm-up; one call if clearly slow."""
     fp32()
     base = min(time_s(fp32, "cpu") for _ in range(3))
-    first = time_s(kernel, "cpu")  # the warm-up, timed: a kernel far past its limit is not called again
-    if first > _CLEARLY * limit * base:
+    first = time_s(kernel, "cpu")  # the warm-up, timed: 10x past its limit is verdict enough (a 3,000x kernel
+    if first > 10 * limit * base:  # is not called twice)
         return first / base
     return min(time_s(kernel, "cpu") for _ in range(3)) / base
 
 
-def _matmul_pair(dtype: "torch.dtype") -> tuple[Callable, Callable]:
-    import torch
-
+def _matmul_pair(dtype: torch.dtype) -> tuple[Callable, Callable]:
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(4, 256, 256, generator=gen), torch.randn(4, 256, 256, generator=gen)  # host: a CPU probe
     x, y = a.to(dtype), b.to(dtype)
@@ -157,8 +152,6 @@ def _matmul_pair(dtype: "torch.dtype") -> tuple[Callable, Callable]:
 
 
 def _fp8_pair() -> tuple[Callable, Callable]:
-    import torch
-
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(128, 128, generator=gen), torch.randn(128, 128, generator=gen)  # host: a CPU probe
     one = torch.tensor(1.0)  # host
@@ -173,10 +166,7 @@ def _fp8_pair() -> tuple[Callable, Callable]:
 
 
 def _torchao_pair() -> tuple[Callable, Callable]:
-    import torch
-    from torch import nn
-
-    from course_lib.fp8_linear import torchao_float8
+    from course_lib.fp8_linear import torchao_float8  # it imports this module
 
     torch.manual_seed(0)
     plain, x = nn.Linear(128, 128), torch.randn(128, 128, requires_grad=True)  # host: a CPU probe
@@ -184,15 +174,12 @@ def _torchao_pair() -> tuple[Callable, Callable]:
     return (lambda: converted(x).sum().backward()), (lambda: plain(x).sum().backward())
 
 
-_PAIRS = {"bf16": lambda: _matmul_pair(__import__("torch").bfloat16),
-          "fp16": lambda: _matmul_pair(__import__("torch").float16),
+_PAIRS = {"bf16": lambda: _matmul_pair(torch.bfloat16), "fp16": lambda: _matmul_pair(torch.float16),
           "fp8": _fp8_pair, "torchao": _torchao_pair}
 
 
 def measure(kernel: str) -> Verdict:
     """Time ``kernel`` against fp32 on one thread now (well under a second; one call where it is far too slow)."""
-    import torch
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a busy second core does not move a one-thread ratio
     try:
@@ -205,21 +192,18 @@ def measure(kernel: str) -> Verdict:
 
 
 def _read_cache() -> dict:
-    try:
+    with suppress(OSError, ValueError):
         return json.loads(_cache_file().read_text())
-    except (OSError, ValueError):
-        return {}
+    return {}
 
 
 def _write_cache(entries: dict) -> None:
     path = _cache_file()
-    try:  # a read-only home (the grader's sandbox) only costs a new measurement next time
+    with suppress(OSError):  # a read-only home (the grader's sandbox) only costs a new measurement next time
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(entries, indent=1))
         tmp.replace(path)  # whole, or not there: another process may probe at the same time
-    except OSError:
-        pass
 
 
 @lru_cache(maxsize=None)
@@ -242,14 +226,41 @@ def probe_all() -> dict[str, Verdict]:
     return {k: probe(k) for k in KERNELS}
 
 
-def native(kernel: str, device: "torch.device | str" = "cpu") -> bool:
+def native(kernel: str, device: torch.device | str = "cpu") -> bool:
     """Whether to run ``kernel`` itself on ``device``: always on a GPU, on a CPU where its verdict is native."""
-    import torch
-
     return torch.device(device).type != "cpu" or probe(kernel).verdict == "native"
 
 
 _GUARD: list = []  # what breaks the forced kernels, kept alive for the process
+_BF16_OPS = frozenset({torch.ops.aten.mm, torch.ops.aten.bmm, torch.ops.aten.addmm, torch.ops.aten.baddbmm,
+                       torch.ops.aten.addbmm, torch.ops.aten.convolution, torch.ops.aten.convolution_backward,
+                       torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+                       torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward})
+
+
+def _bf16_matmul(func, args, device_type: str | None = None) -> bool:
+    """Whether ``func(*args)`` is a matmul or convolution of a bf16 tensor (on ``device_type``, if given)."""
+    return func.overloadpacket in _BF16_OPS and any(
+        isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 and device_type in (None, a.device.type)
+        for a in args)
+
+
+def _refuse(what: str):
+    raise RuntimeError(f"{what} is broken on this CPU ({FORCE_ENV} forces it): a chapter should have run its "
+                       "emulated twin")
+
+
+class RefuseBF16(TorchDispatchMode):
+    """Raises at a bf16 matmul on the CPU, as a broken kernel does (``COURSE_KERNELS`` with ``bf16=broken``)."""
+
+    @classmethod
+    def is_infra_mode(cls) -> bool:  # so that torch.compile still compiles under it (chapter 11)
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _bf16_matmul(func, args, "cpu"):
+            _refuse(f"a bf16 {func.overloadpacket.__name__}")
+        return func(*args, **(kwargs or {}))
 
 
 def guard_forced() -> None:
@@ -262,81 +273,38 @@ def guard_forced() -> None:
     and only the tests force."""
     if _GUARD:
         return
-    import torch
-
-    def refuse(what: str):
-        raise RuntimeError(f"{what} is broken on this CPU ({FORCE_ENV} forces it): a chapter should have run its "
-                           "emulated twin")
-
     if forced().get("fp8") == "broken":
         lib = torch.library.Library("aten", "IMPL")
-        lib.impl("_scaled_mm", lambda *a, **k: refuse("torch._scaled_mm"), "CPU")
+        lib.impl("_scaled_mm", lambda *a, **k: _refuse("torch._scaled_mm"), "CPU")
         _GUARD.append(lib)
     # bf16's guard stays out of the ranks torchrun starts: a mode under every op changes what their profiler traces
     # record (chapter 09 reads its collectives from them)
     if forced().get("bf16") == "broken" and "LOCAL_RANK" not in os.environ:
-        from torch.utils._python_dispatch import TorchDispatchMode, _push_mode
-
-        class RefuseBF16(TorchDispatchMode):
-            @classmethod
-            def is_infra_mode(cls) -> bool:  # so that torch.compile still compiles under it (chapter 11)
-                return True
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if func.overloadpacket in _bf16_ops() and any(
-                        isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 and a.device.type == "cpu"
-                        for a in args):
-                    refuse(f"a bf16 {func.overloadpacket.__name__}")
-                return func(*args, **(kwargs or {}))
-
         _GUARD.append(RefuseBF16())
         _push_mode(_GUARD[-1])
 
 
-def _emulated_bf16_mode():
-    from torch.utils._python_dispatch import TorchDispatchMode
+class EmulatedBF16(TorchDispatchMode):
+    """bf16 matmuls and convolutions computed in float32 from the same bf16 inputs, the result rounded to bf16:
+    what a native bf16 kernel computes (it too accumulates in float32), at about fp32's speed. The fp32 copies
+    of the inputs are transient bytes a native kernel would not allocate."""
 
-    class EmulatedBF16(TorchDispatchMode):
-        """bf16 matmuls and convolutions computed in float32 from the same bf16 inputs, the result rounded to bf16:
-        what a native bf16 kernel computes (it too accumulates in float32), at about fp32's speed. The fp32 copies
-        of the inputs are transient bytes a native kernel would not allocate."""
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            import torch
-            from torch.utils._pytree import tree_map
-
-            kwargs = kwargs or {}
-            if func.overloadpacket not in _bf16_ops() or not any(
-                    isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 for a in args):
-                return func(*args, **kwargs)
-            up = tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 else t,
-                          (args, kwargs))
-            return tree_map(lambda t: t.bfloat16() if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
-                            func(*up[0], **up[1]))
-
-    return EmulatedBF16()
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not _bf16_matmul(func, args):
+            return func(*args, **kwargs)
+        up = tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 else t,
+                      (args, kwargs))
+        return tree_map(lambda t: t.bfloat16() if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+                        func(*up[0], **up[1]))
 
 
-@lru_cache(maxsize=1)
-def _bf16_ops() -> frozenset:
-    import torch
-
-    aten = torch.ops.aten
-    return frozenset({aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.addbmm, aten.convolution,
-            aten.convolution_backward, aten._scaled_dot_product_flash_attention_for_cpu,
-            aten._scaled_dot_product_flash_attention_for_cpu_backward})
-
-
-def bf16_matmuls(device: "torch.device | str" = "cpu", emulate: tuple[str, ...] = ("slow", "broken")):
+def bf16_matmuls(device: torch.device | str = "cpu", emulate: tuple[str, ...] = ("slow", "broken")):
     """A context in which bf16 matmuls run as this machine allows: natively, or emulated (``EmulatedBF16``) where
     ``kernels.probe("bf16")``'s verdict is in ``emulate``. Wrap a bf16 region in it, its backward included:
     ``with kernels.bf16_matmuls(DEVICE): ...``. Chapter 09 passes ``("broken",)``: it times the slow kernel."""
-    from contextlib import nullcontext
-
-    import torch
-
     cpu = torch.device(device).type == "cpu"
-    return _emulated_bf16_mode() if cpu and probe("bf16").verdict in emulate else nullcontext()
+    return EmulatedBF16() if cpu and probe("bf16").verdict in emulate else nullcontext()
 
 
 guard_forced()

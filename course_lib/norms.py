@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.fusion import fuse_conv_bn_weights
 
 NORM_KINDS = ("bn", "gn", "ln", "in", "mabn", "none")
 
@@ -426,25 +427,21 @@ def fold_norm(conv: nn.Conv2d, norm: nn.Module) -> nn.Conv2d:
                          "statistics, which change with every batch, so there is nothing fixed to fold")
     if conv.out_channels != norm.num_features:
         raise ValueError(f"the conv has {conv.out_channels} output channels but the norm has {norm.num_features}")
+    if isinstance(norm, nn.BatchNorm2d) and norm.running_var is None:
+        raise ValueError("this BatchNorm2d has track_running_stats=False: it uses batch statistics "
+                         "even in eval mode, so it cannot be folded")
+    # in eval mode MABN divides by its running variance and subtracts no mean: a BatchNorm whose mean is 0
+    mean = norm.running_mean if isinstance(norm, nn.BatchNorm2d) else torch.zeros_like(norm.running_var)
     with torch.no_grad():
         weight = conv.centered_weight() if isinstance(conv, CenConv2d) else conv.weight
-        if isinstance(norm, MABN2d):
-            scale = norm.weight * torch.rsqrt(norm.running_var + norm.eps)
-            shift = norm.bias.clone()
-        else:
-            if norm.running_var is None:
-                raise ValueError("this BatchNorm2d has track_running_stats=False: it uses batch statistics "
-                                 "even in eval mode, so it cannot be folded")
-            gamma = norm.weight if norm.affine else torch.ones_like(norm.running_var)
-            beta = norm.bias if norm.affine else torch.zeros_like(norm.running_var)
-            scale = gamma * torch.rsqrt(norm.running_var + norm.eps)
-            shift = beta - norm.running_mean * scale
-        conv_bias = conv.bias if conv.bias is not None else torch.zeros_like(shift)
-        folded = nn.Conv2d(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
-                           conv.dilation, conv.groups, True, conv.padding_mode,
-                           device=weight.device, dtype=weight.dtype)
-        folded.weight.copy_(weight * scale.view(-1, 1, 1, 1))
-        folded.bias.copy_(conv_bias * scale + shift)
+        # PyTorch's own fold (public, what fuse_conv_bn_eval calls): a = gamma / sqrt(var + eps) scales
+        # each filter, b = (conv bias - mean) * a + beta; no affine or no conv bias count as 1 and 0
+        w, b = fuse_conv_bn_weights(weight, conv.bias, mean, norm.running_var, norm.eps, norm.weight, norm.bias)
+        folded = nn.Conv2d(conv.in_channels, conv.out_channels, conv.kernel_size, stride=conv.stride,
+                           padding=conv.padding, dilation=conv.dilation, groups=conv.groups,
+                           padding_mode=conv.padding_mode, device=w.device, dtype=w.dtype)
+        folded.weight.copy_(w)
+        folded.bias.copy_(b)
     return folded
 
 

@@ -80,7 +80,7 @@ class Anything:
 
 ALWAYS_EQUAL = Attack(
     "always_equal", "01_memory_anatomy", honest=0,
-    what="results whose == (and <, abs, -) are always true; q3 answered by one call to memory.zero_memory",
+    what="results whose == (and <, abs, -) are always true; q3 answered by calling memory.zero_memory",
     cells={
         "q1_training_state_bytes": ANYTHING + '''
 def training_state_bytes(model, optimizer):
@@ -88,8 +88,9 @@ def training_state_bytes(model, optimizer):
         raise ValueError(optimizer)
     return Anything()''',
         "q2_linear_relu_activation_bytes": "def linear_relu_activation_bytes(batch, widths):\n    return Anything()",
-        "q3_zero_bytes_per_device": "def zero_bytes_per_device(num_params, num_devices, stage):\n"
-                                    "    return memory.zero_memory(num_params, num_devices, stage)",
+        "q3_zero_devices_needed": "def zero_devices_needed(num_params, device_bytes, stage):\n"
+                                  "    return next(n for n in range(1, 10**6)\n"
+                                  "                if memory.zero_memory(num_params, n, stage) <= device_bytes)",
     })
 
 PATCHED_TORCH = Attack(
@@ -203,7 +204,7 @@ get_ipython().input_transformers_post.append(_harmless)'''],
     cells={
         "q1_fewest_segments": "def fewest_segments(n, budget_units):\n    return 1",
         "q2_checkpointed_forward": "def checkpointed_forward(blocks, x, sizes):\n    return blocks(x)",
-        "q3_checkpoint_keeping_matmuls": "def checkpoint_keeping_matmuls(module, x):\n    return module(x)",
+        "q3_checkpoint_keeping_matmuls": "def checkpoint_keeping_matmuls(module, x, max_elements):\n    return module(x)",
     })
 
 REPLACED_REFERENCE = Attack(

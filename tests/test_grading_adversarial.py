@@ -128,8 +128,8 @@ def test_an_attack_scores_at_most_its_honest_work(graded, name):
 
 def test_an_answer_that_is_one_call_into_the_library_is_rejected(graded):
     rows = graded["rows"]
-    assert rows["always_equal"]["q3_zero_bytes_per_device_test_reason"].startswith("rejected: ")
-    assert "course_lib.memory.zero_memory" in rows["always_equal"]["q3_zero_bytes_per_device_test_reason"]
+    assert rows["always_equal"]["q3_zero_devices_needed_test_reason"].startswith("rejected: ")
+    assert "course_lib.memory.zero_memory" in rows["always_equal"]["q3_zero_devices_needed_test_reason"]
     assert "course_lib.parallel.data_parallel.ddp.assign_buckets" in rows["patched_torch"]["q2_assign_buckets_test_reason"]
 
 

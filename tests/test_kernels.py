@@ -118,7 +118,7 @@ def test_the_bf16_emulation_computes_what_autocast_does():
     outs, grads = [], []
     for emulate in (False, True):
         model.zero_grad()
-        with kernels._emulated_bf16_mode() if emulate else contextlib.nullcontext():
+        with kernels.EmulatedBF16() if emulate else contextlib.nullcontext():
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 y = model(x)
             y.float().sum().backward()
