@@ -180,16 +180,6 @@ def test_chapter_prints_no_source_holding_a_solution_line(chapter):
     assert not problems, "\n".join(problems)
 
 
-# Library leaks being removed in the parallel code's own exercises; each name leaves this set once its fix lands.
-KNOWN_ELSEWHERE = {
-    ("07_data_parallel.ipynb", "q2_assign_buckets"),
-    ("08_pipeline_parallel.ipynb", "q1_one_f_one_b"),
-    ("10_tensor_parallel.ipynb", "q2_block_traffic"),
-    ("12_context_expert_parallel.ipynb", "q1_merge_partials"),
-    ("12_context_expert_parallel.ipynb", "q3_dispatch_indices"),
-}
-
-
 def library_leaks(library: Path) -> list[tuple[str, str, str, str]]:
     """(exercise, question, core line, ``file:line``) of every line under ``library`` equal to a core line."""
     hits = []
@@ -214,13 +204,7 @@ def test_a_library_leak_is_found(tmp_path):
     assert library_leaks(tmp_path / "course_lib") == [(ex, q, sol, "course_lib/inner/helpers.py:6")]
 
 
-def test_known_elsewhere_names_real_questions():
-    """Every name in KNOWN_ELSEWHERE is a question that has core lines (a typo would hide nothing and pass)."""
-    questions = {(ex, q) for ex, q, _ in CORE.values()}
-    assert KNOWN_ELSEWHERE <= questions, sorted(KNOWN_ELSEWHERE - questions)
-
-
 def test_library_holds_no_solution_line():
     """No exercise's core line ships in ``course_lib``, the library the learner imports and can read."""
-    hits = [hit for hit in library_leaks(LIBRARY) if hit[:2] not in KNOWN_ELSEWHERE]
+    hits = library_leaks(LIBRARY)
     assert not hits, _describe_library(hits)
