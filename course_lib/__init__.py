@@ -14,8 +14,11 @@ listed above it:
 - ``estimator``: the same bytes predicted from the model and the batch shape alone (chapters 01, 11);
 - ``lora``: freezing and LoRA, fine-tuning with fewer trainable bytes (chapter 01);
 - ``parallel_runs``: independent training runs in a few processes at once (chapters 02 and 04);
-- ``train``: one training loop, ``fit``, and the bare accumulation step (chapters 02-05);
-- ``norms``: GroupNorm by hand, MABN, BatchNorm folding; ``agc``: adaptive gradient clipping (chapter 04);
+- ``resume``: the data order as a function of (seed, step), and the checkpoint a run resumes from exactly;
+  ``train``: one training loop, ``fit``, and the bare accumulation step (chapters 02-05);
+- ``groupnorm``, ``mabn`` and ``fold``: GroupNorm by hand, MABN with its weight-centralised convolution,
+  BatchNorm folded into a convolution; ``norms``: the norm factory over them; ``agc``: adaptive gradient
+  clipping (chapter 04);
 - ``checkpointing``: segment plans, checkpointed forwards, selective checkpointing (chapter 05);
 - ``fp8`` and ``fp8_linear``: FP8 formats and their scaling, and a linear layer whose matmuls run in FP8
   (chapter 06);

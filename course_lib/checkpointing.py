@@ -1,25 +1,19 @@
 """Activation checkpointing: segment plans, a checkpointed sequential forward, selective checkpointing (chapter 05).
 
-Storing against recomputing (Chen et al. 2016, "Training Deep Nets with
-Sublinear Memory Cost", https://arxiv.org/abs/1604.06174): cut a chain of
-``n`` blocks into ``k`` segments and keep only each segment's input during the
-forward pass. The backward pass reruns one segment at a time to get its
-activations back. What is alive at once is about ``k`` segment inputs plus one
-segment's ``n / k`` blocks of activations, so the peak goes as ``n/k + k``,
-lowest near ``k = sqrt(n)``; the price is one extra forward of every
-checkpointed block.
+Storing against recomputing (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost",
+https://arxiv.org/abs/1604.06174): cut a chain of ``n`` blocks into ``k`` segments and keep only each segment's
+input during the forward pass. The backward pass reruns one segment at a time to get its activations back. What
+is alive at once is about ``k`` segment inputs plus one segment's ``n / k`` blocks of activations, so the peak
+goes as ``n/k + k``, lowest near ``k = sqrt(n)``; the price is one extra forward of every checkpointed block.
 
 - ``segment_plan``, ``best_segments``, ``chen_peak_units``: the arithmetic;
-- ``CheckpointedSequential`` (via ``checkpointed_sequential``): the segmented
-  forward written with ``torch.utils.checkpoint.checkpoint``, the teaching
-  twin of ``torch.utils.checkpoint.checkpoint_sequential``;
-- ``Checkpointed`` and ``checkpoint_blocks``: wrap each block of a model, fully
-  or selectively (``torch.utils.checkpoint.create_selective_checkpoint_contexts``
-  with a policy that saves chosen ops and recomputes the rest);
-- ``count_forward_calls`` and ``chain``: what the chapter measures with (its times: ``timing.fastest_times``,
-  importable from here as before);
-- ``predict_longest`` and ``longest_fitting``: the experiment's search for the longest
-  sequence that fits a memory budget, predicted from three short steps, then checked.
+- ``CheckpointedSequential`` (via ``checkpointed_sequential``): the segmented forward written with
+  ``torch.utils.checkpoint.checkpoint``, the teaching twin of ``torch.utils.checkpoint.checkpoint_sequential``;
+- ``Checkpointed`` and ``checkpoint_blocks``: wrap each block of a model, fully or selectively
+  (``create_selective_checkpoint_contexts`` with a policy that saves chosen ops and recomputes the rest);
+- ``count_forward_calls`` and ``chain``: what the chapter measures with (its times: ``timing.fastest_times``);
+- ``predict_longest`` and ``longest_fitting``: the search for the longest sequence that fits a memory budget,
+  predicted from three short steps, then checked.
 """
 
 from __future__ import annotations
@@ -38,15 +32,13 @@ from course_lib.timing import fastest_times  # noqa: F401 (the planner and older
 
 aten = torch.ops.aten
 
-# What nn.Linear becomes at the kernel level: addmm (with bias) or mm. A
-# selective policy keeps these outputs: they are the expensive ops (most of a
-# transformer block's FLOPs) and their outputs grow only linearly with the
+# What nn.Linear becomes at the kernel level: addmm (with bias) or mm. A selective policy keeps these outputs:
+# they are the expensive ops (most of a transformer block's FLOPs) and their outputs grow only linearly with the
 # sequence length.
 LINEAR_OPS: frozenset = frozenset({aten.mm.default, aten.addmm.default})
-# The attention core's batched matmuls (q @ k^T, att @ v). Their outputs and the
-# softmax between them are (batch, heads, T, T): quadratic in T. Korthikanti et
-# al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
-# https://arxiv.org/abs/2205.05198) recompute exactly this part and keep the rest.
+# The attention core's batched matmuls (q @ k^T, att @ v). Their outputs and the softmax between them are
+# (batch, heads, T, T): quadratic in T. Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+# Transformer Models", https://arxiv.org/abs/2205.05198) recompute exactly this part and keep the rest.
 ATTENTION_OPS: frozenset = frozenset({aten.bmm.default, aten.baddbmm.default})
 
 # ----- the arithmetic --------------------------------------------------------------
@@ -55,11 +47,10 @@ ATTENTION_OPS: frozenset = frozenset({aten.bmm.default, aten.baddbmm.default})
 def segment_plan(n: int, segments: int) -> list[range]:
     """Split blocks ``0 .. n-1`` into ``segments`` consecutive ranges whose sizes differ by at most one.
 
-    The larger segments come first: during the backward pass the inputs of the
-    earlier segments are still held while a segment is recomputed, so the
-    early segments can afford to be the longer ones. (PyTorch's
-    ``checkpoint_sequential`` instead gives every segment ``n // segments``
-    blocks and the remainder to the last one.)
+    The larger segments come first: during the backward pass the inputs of the earlier segments are still held while
+    a segment is recomputed, so the early segments can afford to be the longer ones. (PyTorch's
+    ``checkpoint_sequential`` instead gives every segment ``n // segments`` blocks and the remainder to the last
+    one.)
     """
     if n < 1:
         raise ValueError(f"need at least one block to checkpoint, got n={n}")
@@ -91,8 +82,8 @@ def best_segments(n: int) -> int:
 def recomputed_blocks(n: int, segments: int) -> int:
     """Blocks run a second time in one backward pass of ``checkpointed_sequential(n blocks, segments)``.
 
-    Every segment but the last is checkpointed (the last one's activations are
-    needed first in the backward pass, so recomputing them would buy nothing).
+    Every segment but the last is checkpointed (the last one's activations are needed first in the backward pass, so
+    recomputing them would buy nothing).
     """
     return n - len(segment_plan(n, segments)[-1])
 
@@ -123,11 +114,10 @@ class CheckpointedSequential(nn.Module):
             return self.blocks(x)
         *checkpointed, last = self.plan
         for span in checkpointed:
-            # Keeps only ``x`` (the segment's input); the activations inside are
-            # dropped and rebuilt in the backward pass. use_reentrant=False: the
-            # implementation PyTorch recommends (works with torch.autograd.grad,
-            # inputs that do not require grad, keyword arguments). The RNG state
-            # is stashed and restored, so dropout draws the same mask twice.
+            # Keeps only ``x`` (the segment's input); the activations inside are dropped and rebuilt in the
+            # backward pass. use_reentrant=False: the implementation PyTorch recommends (works with
+            # torch.autograd.grad, inputs that do not require grad, keyword arguments). The RNG state is stashed
+            # and restored, so dropout draws the same mask twice.
             x = checkpoint(self._run(span), x, use_reentrant=False)
         return self._run(last)(x)
 
@@ -150,9 +140,8 @@ Policy = Callable[..., CheckpointPolicy]
 def save_ops_policy(save_ops: Collection = LINEAR_OPS) -> Policy:
     """A selective-checkpoint policy: keep the outputs of ``save_ops``, recompute every other op.
 
-    Saving a matmul's output spares its recomputation (the expensive part);
-    pointwise ops (GELU, softmax, masking, scaling) cost few FLOPs to redo,
-    though each still reads and writes its whole tensor.
+    Saving a matmul's output spares its recomputation (the expensive part); pointwise ops (GELU, softmax, masking,
+    scaling) cost few FLOPs to redo, though each still reads and writes its whole tensor.
     """
     ops = frozenset(save_ops)
 
@@ -188,9 +177,8 @@ CHECKPOINT_MODES = ("none", "full", "selective")
 def checkpoint_blocks(blocks: nn.Sequential, mode: str, save_ops: Collection = LINEAR_OPS) -> nn.Sequential:
     """A new ``nn.Sequential`` of the same blocks, each checkpointed as ``mode`` says.
 
-    ``"none"``: the blocks as they are; ``"full"``: each block keeps only its
-    input; ``"selective"``: each block also keeps the outputs of ``save_ops``.
-    Apply it as ``model.blocks = checkpoint_blocks(model.blocks, "full")``.
+    ``"none"``: the blocks as they are; ``"full"``: each block keeps only its input; ``"selective"``: each block
+    also keeps the outputs of ``save_ops``. Apply it as ``model.blocks = checkpoint_blocks(model.blocks, "full")``.
     """
     if mode not in CHECKPOINT_MODES:
         raise ValueError(f"unknown checkpoint mode {mode!r}: choose one of {', '.join(CHECKPOINT_MODES)}")
@@ -207,9 +195,8 @@ def checkpoint_blocks(blocks: nn.Sequential, mode: str, save_ops: Collection = L
 def count_forward_calls(modules: Iterable[nn.Module]) -> Iterator[Counter]:
     """Count the forward calls of each module inside the ``with`` block: ``counter[i]`` for the i-th module.
 
-    A forward *pre*-hook counts a call when it starts: recomputation may stop
-    early, as soon as the last tensor the backward needs is rebuilt, before the
-    block returns (non-reentrant checkpoint's ``early_stop``).
+    A forward *pre*-hook counts a call when it starts: recomputation may stop early, as soon as the last tensor the
+    backward needs is rebuilt, before the block returns (non-reentrant checkpoint's ``early_stop``).
     """
     counter: Counter = Counter()
     handles = []
@@ -225,9 +212,8 @@ def count_forward_calls(modules: Iterable[nn.Module]) -> Iterator[Counter]:
 def chain(n: int, width: int) -> nn.Sequential:
     """The chapter's chain: ``n`` blocks of Linear then ReLU, each ``width`` wide.
 
-    Each block keeps exactly one activation for backward, its ReLU output (which
-    is also the next Linear's input), so one block's activation and one segment
-    input are the same size: the unit in which ``n/k + k`` counts.
+    Each block keeps exactly one activation for backward, its ReLU output (which is also the next Linear's input),
+    so one block's activation and one segment input are the same size: the unit in which ``n/k + k`` counts.
     """
     if n < 1 or width < 1:
         raise ValueError(f"a chain needs n >= 1 blocks and width >= 1, got n={n}, width={width}")

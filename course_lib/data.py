@@ -135,15 +135,8 @@ def normalize(images: torch.Tensor) -> torch.Tensor:
     return (images - mean) / std
 
 
-def load_dataset(
-    name: str = "shapes",
-    split: str = "train",
-    n: int | None = None,
-    seed: int = 0,
-    root: str | Path = DATA_ROOT,
-    download: bool = False,
-    size: int = 32,
-) -> Dataset:
+def load_dataset(name: str = "shapes", split: str = "train", n: int | None = None, seed: int = 0,
+                 root: str | Path = DATA_ROOT, download: bool = False, size: int = 32) -> Dataset:
     """A CIFAR-shaped dataset of normalised ``(image, label)`` pairs.
 
     ``shapes`` (default, offline): ``n`` images (8,000 train / 2,000 test by
@@ -277,23 +270,13 @@ class AugmentedDataset(Dataset):
         return img.contiguous(), self.labels[i]
 
 
-def make_loader(
-    dataset: Dataset,
-    batch_size: int,
-    shuffle: bool = True,
-    seed: int = 0,
-    num_workers: int = 0,
-    pin_memory: bool = False,
-    drop_last: bool = True,
-) -> DataLoader:
+def make_loader(dataset: Dataset, batch_size: int, shuffle: bool = True, seed: int = 0, num_workers: int = 0,
+                pin_memory: bool = False, drop_last: bool = True) -> DataLoader:
     """A ``DataLoader`` whose shuffling order depends only on ``seed``."""
     if batch_size <= 0:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
-    return DataLoader(
-        dataset, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers,
-        pin_memory=pin_memory, drop_last=drop_last,
-        generator=torch.Generator().manual_seed(seed),
-    )
+    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers,
+                      pin_memory=pin_memory, drop_last=drop_last, generator=torch.Generator().manual_seed(seed))
 
 
 def checksum(*tensors: torch.Tensor) -> str:

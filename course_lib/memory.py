@@ -4,18 +4,16 @@ Training memory has four parts:
 
 - parameters: ``numel * element size`` of every parameter;
 - gradients: one tensor like each trainable parameter (after ``backward``);
-- optimizer state: SGD none, SGD with momentum one buffer, Adam two
-  (``exp_avg`` and ``exp_avg_sq``) plus a scalar ``step`` per parameter tensor;
-- activations: the tensors autograd saves during the forward pass for use in
-  the backward pass. They grow with the batch and usually dominate.
+- optimizer state: SGD none, SGD with momentum one buffer, Adam two (``exp_avg`` and ``exp_avg_sq``) plus a
+  scalar ``step`` per parameter tensor;
+- activations: the tensors autograd saves during the forward pass for use in the backward pass. They grow
+  with the batch and usually dominate.
 
-``measure`` counts what really exists after a step; ``zero_memory`` is ZeRO's
-formula for the first three parts on many devices. ``peak_bytes`` measures the
-peak during a step (CUDA's statistics, or on the CPU the profiler's allocation
-records, those of the calling thread), ``memory_timeline`` the whole curve of allocated bytes over a step,
-with its phases; both read the records with ``replay_allocations``.
-``largest_fitting`` searches the largest size that fits (chapter 02). The same
-bytes predicted without running anything are in ``estimator``.
+``measure`` counts what really exists after a step; ``zero_memory`` is ZeRO's formula for the first three parts
+on many devices. ``peak_bytes`` measures the peak during a step (CUDA's statistics, or on the CPU the profiler's
+allocation records, those of the calling thread), ``memory_timeline`` the whole curve of allocated bytes over a
+step, with its phases; both read the records with ``replay_allocations``. ``largest_fitting`` searches the
+largest size that fits (chapter 02); ``estimator`` predicts the same bytes without running anything.
 """
 
 from __future__ import annotations
@@ -51,9 +49,7 @@ def grad_bytes(model: nn.Module) -> int:
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of every tensor in the optimizer's state (empty until its first step)."""
-    return sum(
-        tensor_bytes(v) for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)
-    )
+    return sum(tensor_bytes(v) for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
 
 
 def autocast_dtype(precision: str) -> torch.dtype | None:
@@ -81,9 +77,8 @@ def _storage_key(t: torch.Tensor) -> int:
 def saved_activation_bytes(fn: Callable[[], object], exclude: Iterable[torch.Tensor] = ()) -> int:
     """Bytes of the tensors autograd saves for backward while ``fn()`` runs.
 
-    Counted by storage (a view and its base count once) and without the
-    storages of ``exclude`` (pass ``model.parameters()``: weights are saved too,
-    but they are not activations).
+    Counted by storage (a view and its base count once) and without the storages of ``exclude`` (pass
+    ``model.parameters()``: weights are saved too, but they are not activations).
     """
     excluded = {_storage_key(t) for t in exclude}
     seen: dict[int, int] = {}
@@ -101,13 +96,10 @@ def saved_activation_bytes(fn: Callable[[], object], exclude: Iterable[torch.Ten
     return sum(seen.values())
 
 
-def measure(model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-            inputs: torch.Tensor, targets: torch.Tensor, optimizer: torch.optim.Optimizer,
-            precision: str = "fp32") -> dict[str, int]:
-    """Run one real training step and count params, grads, optimizer state and saved activations.
-
-    ``precision="bf16"`` runs the forward pass under bf16 autocast on the inputs' device.
-    """
+def measure(model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], inputs: torch.Tensor,
+            targets: torch.Tensor, optimizer: torch.optim.Optimizer, precision: str = "fp32") -> dict[str, int]:
+    """Run one real training step and count params, grads, optimizer state and saved activations
+    (``precision="bf16"``: the forward pass under bf16 autocast on the inputs' device)."""
     amp = autocast_dtype(precision)
     optimizer.zero_grad(set_to_none=True)
     holder: list[torch.Tensor] = []
@@ -129,17 +121,14 @@ def zero_memory(num_params: float, num_devices: int, stage: int, optimizer_multi
                 param_bytes: float = 2, grad_bytes: float = 2) -> float:
     """Bytes per device of the model states under ZeRO (Rajbhandari et al. 2020, Figure 1).
 
-    Each parameter costs ``param_bytes`` (2: fp16 weights) + ``grad_bytes`` (2:
-    fp16 gradients) + K = ``optimizer_multiplier`` (12: fp32 master weights,
-    momentum, variance). Stage 1 shards the K bytes over the devices, stage 2
-    the gradients too, stage 3 the weights too; stage 0 is plain data
-    parallelism. Activations are not included. This is the course's one ZeRO
-    formula: ``distributed.zero.zero_bytes_per_rank`` splits it into its parts (chapter 09).
+    Each parameter costs ``param_bytes`` (2: fp16 weights) + ``grad_bytes`` (2: fp16 gradients) + K =
+    ``optimizer_multiplier`` (12: fp32 master weights, momentum, variance). Stage 1 shards the K bytes over the
+    devices, stage 2 the gradients too, stage 3 the weights too; stage 0 is plain data parallelism. Activations are
+    not included. This is the course's one ZeRO formula: ``distributed.zero.zero_bytes_per_rank`` splits it into its
+    parts (chapter 09).
     """
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
-    if num_devices < 1:
-        raise ValueError(f"num_devices must be at least 1, got {num_devices}")
+    if stage not in (0, 1, 2, 3) or num_devices < 1:
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3 and num_devices at least 1, got {stage} and {num_devices}")
     n, d = float(num_params), float(num_devices)
     weights = param_bytes * n / (d if stage >= 3 else 1)
     grads = grad_bytes * n / (d if stage >= 2 else 1)
@@ -192,12 +181,12 @@ class MemoryTimeline:
 def replay_allocations(records: Iterable[tuple[int, int]]) -> list[int]:
     """Live bytes above the start after each ``(address, bytes)`` record: an allocation (bytes > 0) or a free.
 
-    A free is matched to its allocation by address. The profiler records only what happens on the thread it
-    was started in: a tensor made here but freed on another thread (gloo's workers free the copy a
-    reduce-scatter makes of its input) leaves no free behind. Its block is known to be gone, at the latest, when
-    the allocator hands out the same address again; one freed unseen and never reused counts to the end (too
-    high). A tensor made on another thread leaves no record at all (too low). A free with no allocation seen
-    is of a block made before: CUDA's allocator records those, and the curve goes below the start.
+    A free is matched to its allocation by address. The profiler records only what happens on the thread it was
+    started in: a tensor made here but freed on another thread (gloo's workers free the copy a reduce-scatter makes
+    of its input) leaves no free behind. Its block is known to be gone, at the latest, when the allocator hands out
+    the same address again; one freed unseen and never reused counts to the end (too high). A tensor made on another
+    thread leaves no record at all (too low). A free with no allocation seen is of a block made before: CUDA's
+    allocator records those, and the curve goes below the start.
     """
     live: dict[int, int] = {}
     now, curve = 0, []
@@ -216,12 +205,11 @@ def memory_timeline(fn: Callable[[], object], device: torch.device | str = "cpu"
                     phases: Iterable[str] = ("forward", "backward")) -> MemoryTimeline:
     """Every allocation and free of ``device``'s allocator while ``fn()`` runs, in time order.
 
-    Replays the profiler's allocation records (``replay_allocations``), so it sees temporaries that live only
-    inside an op. On the CPU, tensors made before ``fn`` are not seen at all, not even their frees, and neither
-    are tensors made on other threads (measured in ``tests/test_memory.py``: 8 MiB made on a Python thread
-    during ``fn`` leave no record). The parts of
-    ``fn`` wrapped in ``torch.profiler.record_function(name)`` for a name in ``phases`` come back as time ranges.
-    The profiler slows the step down: the time axis orders events, it does not time them.
+    Replays the profiler's allocation records (``replay_allocations``), so it sees temporaries that live only inside
+    an op. On the CPU, tensors made before ``fn`` are not seen at all, not even their frees, and neither are tensors
+    made on other threads (measured in ``tests/test_memory.py``: 8 MiB made on a Python thread during ``fn`` leave
+    no record). The parts of ``fn`` wrapped in ``torch.profiler.record_function(name)`` for a name in ``phases``
+    come back as time ranges. The profiler slows the step down: the time axis orders events, it does not time them.
     """
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
@@ -260,12 +248,12 @@ def memory_timeline(fn: Callable[[], object], device: torch.device | str = "cpu"
 def peak_bytes(fn: Callable[[], object], device: torch.device | str) -> int:
     """Peak bytes allocated on ``device`` while ``fn()`` runs, above what was allocated before.
 
-    On a GPU, CUDA's allocator statistics: exact, and cheap, whatever thread allocates. On the CPU, the
-    profiler's allocation records replayed (``memory_timeline``): the peak of what *the calling thread*
-    allocates. A tensor made on another thread (a Python thread, a data loader's) is missed: the figure is no
-    bound on the process's memory. One made here and freed on another thread (the copy gloo's reduce-scatter
-    makes of its input, which gloo makes on the calling thread and frees on its own) counts until its
-    address is handed out again, so for the calling thread's own tensors the figure errs high.
+    On a GPU, CUDA's allocator statistics: exact, and cheap, whatever thread allocates. On the CPU, the profiler's
+    allocation records replayed (``memory_timeline``): the peak of what *the calling thread* allocates. A tensor
+    made on another thread (a Python thread, a data loader's) is missed: the figure is no bound on the process's
+    memory. One made here and freed on another thread (the copy gloo's reduce-scatter makes of its input, which gloo
+    makes on the calling thread and frees on its own) counts until its address is handed out again, so for the
+    calling thread's own tensors the figure errs high.
     """
     if device_type(device) == "cuda":
         torch.cuda.synchronize(device)
@@ -281,8 +269,8 @@ def peak_bytes(fn: Callable[[], object], device: torch.device | str) -> int:
 def cuda_memory_history(path: str | Path, max_entries: int = 100_000, stacks: str = "python") -> Iterator[None]:
     """Record CUDA allocations to a snapshot file for https://pytorch.org/memory_viz (GPU only).
 
-    ``stacks="python"`` keeps the Python stack of each allocation; ``"all"`` adds the
-    C++ frames, whose symbolisation can make the dump take minutes on a long run.
+    ``stacks="python"`` keeps the Python stack of each allocation; ``"all"`` adds the C++ frames, whose
+    symbolisation can make the dump take minutes on a long run.
     """
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks=stacks)
@@ -296,9 +284,8 @@ def cuda_memory_history(path: str | Path, max_entries: int = 100_000, stacks: st
 def largest_fitting(fits: Callable[[int], bool], limit: int = 1 << 16) -> int:
     """The largest ``n`` in 1..limit with ``fits(n)`` true, assuming ``fits`` turns false once and stays false.
 
-    Doubles until the first failure, then bisects: about 2 log2(n) calls of
-    ``fits`` (each may be a real training step that runs out of memory).
-    Returns 0 when even ``n = 1`` does not fit.
+    Doubles until the first failure, then bisects: about 2 log2(n) calls of ``fits`` (each may be a real training
+    step that runs out of memory). Returns 0 when even ``n = 1`` does not fit.
     """
     if not fits(1):
         return 0

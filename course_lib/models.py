@@ -1,11 +1,9 @@
 """Small models (every chapter, 00 to 13).
 
-- ``ResNet``: a CIFAR-style residual network whose normalisation layer is an
-  argument (``norm_layer(channels) -> nn.Module``), so chapter 04 can swap
-  BatchNorm for GroupNorm or MABN without touching the network.
-- ``NFResNet``: the same layout with no normalisation layer (a normaliser-free ResNet,
-  Brock et al. 2021a): scaled weight standardisation and residual branches scaled by
-  alpha and 1/beta (chapter 04).
+- ``ResNet``: a CIFAR-style residual network whose normalisation layer is an argument
+  (``norm_layer(channels) -> nn.Module``), so chapter 04 can swap BatchNorm for GroupNorm or MABN.
+- ``NFResNet``: the same layout with no normalisation layer (a normaliser-free ResNet, Brock et al.
+  2021a): scaled weight standardisation and residual branches scaled by alpha and 1/beta (chapter 04).
 - ``MLP``: the simplest model with no normalisation, for exact-gradient checks.
 - ``TinyTransformer``: a decoder-only language model whose blocks form an
   ``nn.Sequential`` (checkpointing, pipeline stages and sharding cut it there).
@@ -34,9 +32,8 @@ class BasicBlock(nn.Module):
         self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
         self.norm2 = norm_layer(cout)
         self.relu2 = nn.ReLU()
-        self.shortcut: nn.Module = nn.Identity()
-        if stride != 1 or cin != cout:
-            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), norm_layer(cout))
+        self.shortcut: nn.Module = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), norm_layer(cout))
+                                    if stride != 1 or cin != cout else nn.Identity())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.relu1(self.norm1(self.conv1(x)))
@@ -50,18 +47,10 @@ class ResNet(nn.Module):
     With ``blocks=(1, 1, 1)`` it has 7 convolutions and one linear layer in the main path.
     """
 
-    def __init__(
-        self,
-        width: int = 16,
-        blocks: tuple[int, int, int] = (1, 1, 1),
-        num_classes: int = 10,
-        norm_layer: NormLayer = nn.BatchNorm2d,
-        in_channels: int = 3,
-    ):
+    def __init__(self, width: int = 16, blocks: tuple[int, int, int] = (1, 1, 1), num_classes: int = 10,
+                 norm_layer: NormLayer = nn.BatchNorm2d, in_channels: int = 3):
         super().__init__()
-        self.stem = nn.Sequential(
-            nn.Conv2d(in_channels, width, 3, 1, 1, bias=False), norm_layer(width), nn.ReLU()
-        )
+        self.stem = nn.Sequential(nn.Conv2d(in_channels, width, 3, 1, 1, bias=False), norm_layer(width), nn.ReLU())
         layers: list[nn.Module] = []
         cin = width
         for stage, count in enumerate(blocks):
@@ -70,16 +59,12 @@ class ResNet(nn.Module):
                 layers.append(BasicBlock(cin, cout, 2 if (stage > 0 and i == 0) else 1, norm_layer))
                 cin = cout
         self.layers = nn.Sequential(*layers)
-        self.pool = nn.AdaptiveAvgPool2d(1)
-        self.flatten = nn.Flatten()
-        self.fc = nn.Linear(cin, num_classes)
+        self.pool, self.flatten, self.fc = nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes)
         self.in_channels = in_channels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 4 or x.shape[1] != self.in_channels:
-            raise ValueError(
-                f"ResNet expects images of shape (batch, {self.in_channels}, H, W); got {tuple(x.shape)}"
-            )
+            raise ValueError(f"ResNet expects images of shape (batch, {self.in_channels}, H, W); got {tuple(x.shape)}")
         return self.fc(self.flatten(self.pool(self.layers(self.stem(x)))))
 
 
@@ -194,29 +179,24 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x[0].numel() != self.in_features:
-            raise ValueError(
-                f"MLP expects {self.in_features} features per sample; got shape {tuple(x.shape)} "
-                f"({x[0].numel()} per sample)"
-            )
+            raise ValueError(f"MLP expects {self.in_features} features per sample; got shape {tuple(x.shape)} "
+                             f"({x[0].numel()} per sample)")
         return self.net(x)
 
 
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention, written out op by op so every saved tensor is visible.
 
-    ``fused=True`` computes the same function with one call of
-    ``F.scaled_dot_product_attention`` (chapter 11): a fused kernel that never
-    stores the ``(B, H, T, T)`` attention matrix; the backward pass recomputes it
-    block by block from ``q``, ``k``, ``v`` and one log-sum-exp per row.
+    ``fused=True`` computes the same function with one call of ``F.scaled_dot_product_attention`` (chapter
+    11): a fused kernel that never stores the ``(B, H, T, T)`` attention matrix; the backward pass recomputes
+    it block by block from ``q``, ``k``, ``v`` and one log-sum-exp per row.
     """
 
     def __init__(self, d_model: int, n_heads: int, max_len: int, dropout: float = 0.0, fused: bool = False):
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
-        self.n_heads = n_heads
-        self.fused = fused
-        self.dropout = dropout
+        self.n_heads, self.fused, self.dropout = n_heads, fused, dropout
         self.qkv = nn.Linear(d_model, 3 * d_model)  # head-major: see forward
         self.proj = nn.Linear(d_model, d_model)
         # p = 0 would still save a mask in training; leave the op out instead.
@@ -265,8 +245,7 @@ class Embedding(nn.Module):
 
     def __init__(self, vocab: int, d_model: int, max_len: int):
         super().__init__()
-        self.tok = nn.Embedding(vocab, d_model)
-        self.pos = nn.Embedding(max_len, d_model)
+        self.tok, self.pos = nn.Embedding(vocab, d_model), nn.Embedding(max_len, d_model)
         self.max_len = max_len
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -282,8 +261,7 @@ class Head(nn.Module):
 
     def __init__(self, d_model: int, vocab: int):
         super().__init__()
-        self.ln = nn.LayerNorm(d_model)
-        self.out = nn.Linear(d_model, vocab)
+        self.ln, self.out = nn.LayerNorm(d_model), nn.Linear(d_model, vocab)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(self.ln(x))
@@ -292,9 +270,8 @@ class Head(nn.Module):
 class TinyTransformer(nn.Module):
     """A decoder-only language model: ``embed``, ``blocks`` (an ``nn.Sequential``), ``head``.
 
-    ``as_sequential()`` returns the same modules as one flat ``nn.Sequential``,
-    the form checkpointing and pipeline parallelism cut into pieces.
-    ``fused=True`` gives every block's attention the fused kernel (chapter 11).
+    ``as_sequential()`` returns the same modules as one flat ``nn.Sequential``, the form checkpointing and
+    pipeline parallelism cut into pieces. ``fused=True`` gives every block's attention the fused kernel (chapter 11).
     """
 
     def __init__(self, vocab: int = 64, d_model: int = 64, n_heads: int = 4, n_layers: int = 2,

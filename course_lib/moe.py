@@ -1,31 +1,17 @@
 """A mixture-of-experts MLP in one process, by hand (chapter 12).
 
-A router (one linear layer, ``d_model -> E``) scores every token against ``E``
-expert MLPs; each token goes to its ``k`` best experts and their outputs are
-summed, weighted by the router's softmax ("gates"). Only ``k`` of the ``E``
-MLPs run per token, so the parameters grow ``E``-fold and the compute per token
-does not (Shazeer et al. 2017; GShard, Lepikhin et al. 2020; Switch
-Transformer, Fedus et al. 2021).
+A router (one linear layer, ``d_model -> E``) scores every token against ``E`` expert MLPs; each token goes
+to its ``k`` best experts and their outputs are summed, weighted by the router's softmax ("gates"). Only ``k``
+of the ``E`` MLPs run per token, so the parameters grow ``E``-fold and the compute per token does not
+(Shazeer et al. 2017; GShard, Lepikhin et al. 2020; Switch Transformer, Fedus et al. 2021).
 
-Each expert takes at most ``capacity = ceil(capacity_factor * k * T / E)``
-tokens of a batch of ``T`` (Switch, section 2.2): a fixed size, so that the
-buffers that carry tokens to the experts have known shapes (chapter 12's expert
-parallelism sends them to other ranks). The tokens past an expert's capacity
-are *dropped*: the layer returns zero for that choice and the residual
-connection carries the token on. Choices are queued slot-major, every token's
-first choice before any token's second (GShard), so an overflow drops second
-choices first.
-
-The router alone would favour a few experts (they train faster, so they score
-higher); the auxiliary load-balancing loss ``E * sum_i f_i P_i`` (Switch eq. 4)
-pushes back, where ``f_i`` is the fraction of tokens whose first choice is
-expert ``i`` and ``P_i`` the mean router probability of ``i``. It equals 1
-when both are uniform. GShard's ``l_aux`` (its Algorithm 1) is the *mean* over
-experts, ``(1/E) sum_i f_i P_i``: the same shape, ``E**2`` times smaller
-(``1/E**2`` when uniform), so a weight alpha tuned for one does not carry over
-to the other. This module computes Switch's.
+Each expert takes at most ``capacity = ceil(capacity_factor * k * T / E)`` tokens of a batch of ``T`` (Switch,
+section 2.2): a fixed size, so the buffers that carry tokens to the experts have known shapes (chapter 12's
+expert parallelism sends them to other ranks). Tokens past an expert's capacity are *dropped*: the layer
+returns zero for that choice and the residual connection carries the token on. Choices are queued slot-major,
+every token's first choice before any token's second (GShard), so an overflow drops second choices first.
+The router alone would favour a few experts; the auxiliary loss (``load_balancing_loss``) pushes back.
 """
-
 from __future__ import annotations
 
 import itertools
@@ -34,7 +20,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
@@ -92,7 +77,13 @@ def dispatch_indices(expert: torch.Tensor, n_experts: int,
 
 
 def load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor) -> torch.Tensor:
-    """Switch eq. 4 without its weight alpha: ``E * sum_i f_i * P_i`` (1 when tokens and probabilities are even)."""
+    """Switch eq. 4 without its weight alpha: ``E * sum_i f_i * P_i`` (1 when tokens and probabilities are even).
+
+    ``f_i``: the fraction of tokens whose first choice is expert ``i``; ``P_i``: the mean router probability of
+    ``i``. The router alone favours a few experts (they train faster, so they score higher); this pushes back.
+    GShard's ``l_aux`` (its Algorithm 1) is the *mean* over experts, ``(1/E) sum_i f_i P_i``: the same shape,
+    ``E**2`` times smaller, so a weight alpha tuned for one does not carry over to the other.
+    """
     n_experts = probs.shape[-1]
     f = expert_counts(first_choice, n_experts).to(probs.dtype) / first_choice.numel()  # no gradient
     p = probs.mean(0)  # the gradient flows through P_i only
@@ -207,52 +198,3 @@ def combine(tokens: torch.Tensor, r: Routing, experts: Sequence[nn.Module], ids:
             # in the tokens' dtype: under autocast an expert's output is bf16, and index_add takes one dtype
             out = out.index_add(0, a % n, (module(tokens[a % n]) * gate[a, None]).to(out.dtype))
     return out
-
-
-# --------------------------------------------------------------------------- the chapter's training run
-
-def teacher_task(seed: int, n_tokens: int, d_model: int, n_clusters: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens from ``n_clusters`` Gaussian clusters and the targets of a random teacher MLP (same seed, same data)."""
-    g = torch.Generator().manual_seed(seed)  # on the CPU: the same data on every machine, moved by the caller
-    centres = 2.0 * torch.randn(n_clusters, d_model, generator=g)  # host
-    cluster = torch.randint(n_clusters, (n_tokens,), generator=g)  # host
-    x = centres[cluster] + torch.randn(n_tokens, d_model, generator=g)  # host
-    w1, w2 = torch.randn(d_model, 4 * d_model, generator=g), torch.randn(4 * d_model, d_model, generator=g)  # host
-    y = torch.tanh(x @ w1 / math.sqrt(d_model)) @ w2 / math.sqrt(4 * d_model)
-    return x, y
-
-
-def imbalance(tokens_per_expert: torch.Tensor) -> float:
-    """Most-loaded expert's choices over the mean: 1 is even, ``E`` is every choice at one expert."""
-    t = tokens_per_expert.float()
-    return (t.max() / t.mean()).item()
-
-
-def balance_run(seed: int, aux_weight: float, n_experts: int = 8, k: int = 1, d_model: int = 16,
-                n_tokens: int = 512, steps: int = 60, lr: float = 1e-2, capacity_factor: float = 1.25,
-                factors: Sequence[float] = ()) -> dict:
-    """Train a ``MoEMLP`` on ``teacher_task`` with Adam; the load before and after (chapter 12).
-
-    Returns the imbalance (max / mean choices per expert) per step, the tokens
-    per expert after training, the drop rate at ``capacity_factor`` (and, after
-    training, at each of ``factors``) and the task loss, first and last.
-    """
-    torch.manual_seed(seed)
-    x, y = teacher_task(seed, n_tokens, d_model)
-    moe = MoEMLP(d_model, 2 * d_model, n_experts, k, capacity_factor)
-    opt = torch.optim.Adam(moe.parameters(), lr=lr)
-    loads, losses = [], []
-    for _ in range(steps):
-        task = F.mse_loss(moe(x), y)
-        loads.append(imbalance(moe.routing.tokens_per_expert()))
-        losses.append(task.item())
-        opt.zero_grad()
-        (task + aux_weight * moe.aux_loss).backward()
-        opt.step()
-    with torch.no_grad():
-        logits = moe.router(x)
-        moe(x)
-    return {"imbalance": loads + [imbalance(moe.routing.tokens_per_expert())],
-            "drop_vs_factor": {f: route(logits, k, f).drop_rate() for f in factors},
-            "tokens_per_expert": moe.routing.tokens_per_expert().tolist(),
-            "drop_rate": moe.routing.drop_rate(), "loss": [losses[0], losses[-1]]}

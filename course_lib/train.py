@@ -2,29 +2,28 @@
 
 ``fit`` is a flat loop in the shape of nanoGPT's ``train.py``: for each optimizer step, fetch that step's
 micro-batches, run forward and backward on each (its loss weighted by its share of the samples), step the
-optimizer and the scheduler, log, evaluate, save a checkpoint. Which samples a step reads is a pure function
-of (seed, step) (``StepOrder``), so a run resumes from the step index alone, with the same numbers as a run
-that was never interrupted, and without replaying or skipping any batch. ``accumulate`` is the bare
-gradient-accumulation step of chapter 03.
+optimizer and the scheduler, log, evaluate, save a checkpoint. Which samples a step reads (a pure function of
+(seed, step)) and the checkpoint a run resumes from, with the same numbers as a run never interrupted, are
+``resume``'s. ``accumulate`` is the bare gradient-accumulation step of chapter 03.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import random
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader
 from tqdm import tqdm
+
+from course_lib.resume import StepOrder, load_checkpoint, save_checkpoint, step_generator
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -107,73 +106,6 @@ def evaluate(model: nn.Module, loader: DataLoader, loss_fn: LossFn = F.cross_ent
     return loss_sum / count, correct / count
 
 
-# ----- the data order --------------------------------------------------------------------
-
-
-def _generator(seed: int, index: int) -> torch.Generator:
-    """A generator seeded by the pair (seed, index), as chapter 09's ``experiment.global_batch`` seeds each step's batch."""
-    return torch.Generator().manual_seed((seed * 100_003 + index) % 2**63)
-
-
-@functools.lru_cache(maxsize=2)
-def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
-    """The order of the ``n`` samples in ``epoch``: a permutation drawn from a generator seeded by (seed, epoch)."""
-    if not shuffle:
-        return torch.arange(n)  # host: a sampler's index
-    return torch.randperm(n, generator=_generator(seed, epoch))  # host: a sampler's index
-
-
-@dataclass(frozen=True)
-class StepOrder:
-    """Which samples each optimizer step reads, as a pure function of the step index.
-
-    Epoch e is ``epoch_order(n, seed, e)`` cut into batches of ``batch_size`` (a short last one, or none with
-    ``drop_last``); step s takes the next ``accumulation_steps`` batches of its epoch (fewer at its end).
-    """
-
-    n: int
-    batch_size: int
-    accumulation_steps: int
-    shuffle: bool
-    drop_last: bool
-    seed: int
-
-    @property
-    def batches_per_epoch(self) -> int:
-        return self.n // self.batch_size if self.drop_last else -(-self.n // self.batch_size)
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return -(-self.batches_per_epoch // self.accumulation_steps)
-
-    def micro_batches(self, step: int) -> int:
-        """How many micro-batches ``step`` has: ``accumulation_steps``, fewer at the end of an epoch."""
-        done_in_epoch = step % self.steps_per_epoch * self.accumulation_steps
-        return min(self.accumulation_steps, self.batches_per_epoch - done_in_epoch)
-
-    def batches(self, step: int) -> list[list[int]]:
-        """The sample indices of each micro-batch of ``step``."""
-        epoch, j = divmod(step, self.steps_per_epoch)
-        order, first = epoch_order(self.n, self.seed, epoch, self.shuffle), j * self.accumulation_steps
-        b = self.batch_size
-        return [order[i * b:(i + 1) * b].tolist() for i in range(first, first + self.micro_batches(step))]
-
-    @classmethod
-    def of(cls, loader: DataLoader, accumulation_steps: int) -> "StepOrder":
-        """The order of a loader from ``data.make_loader``: its dataset size, batch size, shuffling and seed."""
-        if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)) or loader.batch_size is None:
-            raise ValueError(f"fit orders the samples itself and cannot follow a {type(loader.sampler).__name__} "
-                             "or a custom batch_sampler: build the loader with course_lib.data.make_loader")
-        # make_loader seeds the loader's generator; without one, draw a seed (checkpoints keep it)
-        seed = (loader.generator.initial_seed() if loader.generator is not None
-                else int(torch.randint(2**31, ())))  # host
-        order = cls(len(loader.dataset), loader.batch_size, accumulation_steps,
-                    isinstance(loader.sampler, RandomSampler), loader.drop_last, seed)
-        if order.batches_per_epoch == 0:
-            raise ValueError(f"{order.n} samples make no batch of {order.batch_size} (drop_last={order.drop_last})")
-        return order
-
-
 def _micro_batches(loader: DataLoader, order: StepOrder, start: int, stop: int) -> Iterator:
     """The micro-batches of steps ``start``..``stop - 1``, loaded as ``loader`` loads: its dataset, collate
     function, ``num_workers`` (processes that prepare the next batches while the model trains), ``pin_memory``.
@@ -187,69 +119,8 @@ def _micro_batches(loader: DataLoader, order: StepOrder, start: int, stop: int) 
                            collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, timeout=loader.timeout,
                            worker_init_fn=loader.worker_init_fn, multiprocessing_context=loader.multiprocessing_context,
                            prefetch_factor=loader.prefetch_factor if workers else None,
-                           generator=_generator(order.seed, -1 - start)))  # apart from epochs'
+                           generator=step_generator(order.seed, -1 - start)))  # apart from epochs'
 
-
-# ----- checkpoints --------------------------------------------------------------------
-
-
-def _rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def load_model_state(model: nn.Module, state: dict) -> None:
-    """Load a state dict, or raise an error that names the missing and unexpected keys."""
-    own = set(model.state_dict())
-    missing, unexpected = sorted(own - set(state)), sorted(set(state) - own)
-    if missing or unexpected:
-        raise ValueError(
-            "this checkpoint was saved from a different model.\n"
-            f"  missing keys (in the model, not in the checkpoint): {missing[:10]}{' ...' if len(missing) > 10 else ''}\n"
-            f"  unexpected keys (in the checkpoint, not in the model): {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}\n"
-            "Build the model with the same architecture and sizes as the run that saved it."
-        )
-    model.load_state_dict(state)
-
-
-def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: object | None, step: int, history: History, order: StepOrder) -> None:
-    """Write what a run needs to continue exactly: weights, optimizer, scheduler, RNGs, steps done, data order."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save({
-        "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict() if scheduler is not None else None, "step": step,
-        "order": asdict(order), "history": history.as_dict(), "rng": _rng_state(),
-    }, tmp)
-    os.replace(tmp, path)  # atomic: a run killed while saving keeps the previous checkpoint
-
-
-def _resume(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: object | None,
-            order: StepOrder) -> tuple[StepOrder, History, int]:
-    """Load a checkpoint into the run's objects; return its data order (and seed), history and steps done."""
-    ckpt = torch.load(path, weights_only=False)
-    load_model_state(model, ckpt["model"])
-    saved = StepOrder(**ckpt["order"])
-    if asdict(saved) | {"seed": 0} != asdict(order) | {"seed": 0}:
-        raise ValueError(f"the checkpoint's run read its data as {saved}, this loader as {order}: resume with "
-                         "the same dataset size, batch size, shuffling and accumulation_steps")
-    optimizer.load_state_dict(ckpt["optimizer"])
-    if scheduler is not None and ckpt["scheduler"] is not None:
-        scheduler.load_state_dict(ckpt["scheduler"])
-    _set_rng_state(ckpt["rng"])  # dropout masks (and augmentation in the main process) continue as they would have
-    return saved, History(**ckpt["history"]), ckpt["step"]
 
 
 # ----- the loop ----------------------------------------------------------------------
@@ -287,7 +158,8 @@ def fit(
     device = torch.device(device) if device is not None else next(model.parameters()).device
     order, history, start = StepOrder.of(loader, accumulation_steps), History(), 0
     if resume and checkpoint_path is not None and Path(checkpoint_path).exists():
-        order, history, start = _resume(checkpoint_path, model, optimizer, scheduler, order)
+        order, saved, start = load_checkpoint(checkpoint_path, model, optimizer, scheduler, order)
+        history = History(**saved)
     total = epochs * order.steps_per_epoch if max_steps is None else min(max_steps, epochs * order.steps_per_epoch)
     stop = total if stop_after is None else min(total, start + stop_after)
     show = progress if progress is not None else os.environ.get("COURSE_PROGRESS", "1") != "0"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from course_lib.moe import (MoEMLP, balance_run, dispatch_indices, expert_capacity, load_balancing_loss,
+from course_lib.experiments.moe_runs import balance_run
+from course_lib.moe import (MoEMLP, dispatch_indices, expert_capacity, load_balancing_loss,
                             no_drop_factor, route)
 
 

@@ -12,7 +12,8 @@ from torch.utils.data import Dataset, TensorDataset
 
 from course_lib.data import make_loader
 from course_lib.models import MLP
-from course_lib.train import History, StepOrder, accumulate, epoch_order, fit, load_model_state, save_checkpoint
+from course_lib.resume import StepOrder, epoch_order, load_model_state, save_checkpoint
+from course_lib.train import History, accumulate, fit
 
 TOL = 1e-6  # float32 sums taken in a different order agree to about 1e-7 here
 

@@ -16,6 +16,8 @@ process; the notebooks call it, and nothing in ``course_lib.parallel`` imports i
 - ``tp_meters``: what DTensor sends and autograd saves in chapter 10's runs, and a split module's whole gradients.
 - ``comm_spies``: what ``torch.distributed`` was really handed (calls, bytes), beside the counters' formulas.
 - ``zero_meters``: bytes held, collectives issued and bytes sent by the sharded methods; when ZeRO's buckets leave.
+- ``moe_runs``: chapter 12's training run of the one-process mixture of experts (its load, with and without
+  the auxiliary loss).
 - ``checkpoint_runs``: chapter 09's sharded checkpoints put to the test: a crash during a save, a resume, a reshard.
 - ``workers/``: the entry points ``torchrun`` starts.
 """

@@ -190,8 +190,9 @@ def check_offload(device: torch.device) -> Measured:
 def check_moe(device: torch.device) -> Measured:
     """The mixture of experts, top-1 and top-2, with its auxiliary loss: three Adam steps on the device."""
     from course_lib import moe
+    from course_lib.experiments.moe_runs import teacher_task
 
-    x, y = (t.to(device) for t in moe.teacher_task(0, 1024, 32))
+    x, y = (t.to(device) for t in teacher_task(0, 1024, 32))
     drops = []
     for k in (1, 2):
         layer = moe.MoEMLP(32, 64, n_experts=8, k=k, capacity_factor=1.25).to(device)
