@@ -1,22 +1,14 @@
 """Cross-entropy over a large vocabulary without the whole logits tensor (chapter 11).
 
-A language model's head maps ``N = B * T`` hidden vectors of width ``d`` to ``V``
-logits. The plain loss holds the ``(N, V)`` logits, ``cross_entropy`` saves their
-``(N, V)`` log-softmax, and the backward pass makes its ``(N, V)`` gradient:
-about ``3 N V`` values at once. With GPT-2's ``V = 50,257`` and ``N = 8 x 1,024``
-tokens that is 4.9 GB in fp32, more than the 124M-parameter model's weights,
-gradients and Adam state (2 GB).
+A language model's head maps ``N = B * T`` hidden vectors of width ``d`` to ``V`` logits. The plain loss holds the
+``(N, V)`` logits, ``cross_entropy`` saves their log-softmax and the backward makes its gradient: about ``3 N V``
+values at once (GPT-2, ``V = 50,257``, ``N = 8 x 1,024``: 4.9 GB in fp32, more than the 124M model's weights,
+gradients and Adam state). Chunk the tokens: the loss ``N / k`` tokens at a time, keeping only the hidden vectors,
+one chunk's logits remade at a time in the backward. One more matmul of the head per step; the peak falls about
+``k``-fold, down to what the head's weight gradient needs.
 
-Chunk the tokens: compute the loss ``N / k`` tokens at a time, keep only the
-hidden vectors, and in the backward pass recompute one chunk's logits at a time.
-The price is one more matmul of the head per step; the peak of the loss falls
-about ``k``-fold, down to what the head's weight gradient needs.
-
-- ``ChunkedLinearCrossEntropy``: by hand, an ``autograd.Function`` that writes its
-  own backward (the gradient of cross-entropy with respect to the logits is
-  ``softmax - onehot``), chunk by chunk;
-- ``chunked_cross_entropy``: the same with ``torch.utils.checkpoint`` around each
-  chunk, so autograd derives the backward;
+- ``ChunkedLinearCrossEntropy``: by hand, an ``autograd.Function`` with its own backward (``softmax - onehot``);
+- ``chunked_cross_entropy``: the same with ``torch.utils.checkpoint`` around each chunk, autograd's backward;
 - ``transformer_loss``: either one on ``models.TinyTransformer``;
 - ``predict_loss_peak``: the bytes of the loss's peak, for a planner.
 """

@@ -1,26 +1,17 @@
 """Freezing and LoRA: fine-tuning with fewer trainable bytes (chapter 01).
 
-Two ways to train only part of a pretrained network:
-
-- **freezing** (as in freeze training, PipeTransformer, He et al. ICML 2021): the first ``k`` blocks keep their
-  weights (``requires_grad=False``). They need no gradients and no optimizer state, and, since no tensor in
-  front of the first trainable layer needs a gradient, autograd records nothing there: the frozen prefix saves
-  no activations. The first trainable layer still saves its input, the prefix's output, for its weight gradient.
+- **Freezing** (PipeTransformer, He et al. 2021): the first ``k`` blocks keep their weights. They need no gradients
+  and no optimizer state, and since nothing in front of the first trainable layer needs a gradient, autograd
+  records nothing there: the frozen prefix saves no activations (the first trainable layer still saves its input).
   ``freeze_prefix(model, k)``; ``blocks(model)`` says what a block is.
-- **LoRA** (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"): every adapted layer keeps its
-  weight ``W`` frozen and learns a low-rank update ``(alpha / r) B A``, ``A`` of ``r`` rows, ``B`` of ``r``
-  columns. ``B`` starts at zero, so training starts at the pretrained function; ``A`` starts random (a Gaussian,
-  as in the paper). ``LoRALinear`` computes ``W x + (alpha / r) B (A x)`` as the paper writes it: two small
-  matrix products, which save the input ``x`` (for ``A``'s gradient) and ``A x``, ``r`` numbers per row (for
-  ``B``'s). ``LoRAConv2d`` does what ConvLoRA (Aleem et al. 2024) does: it reshapes ``B A`` (``A`` of shape
-  ``(r k, in k)``, ``B`` of shape ``(out k, r k)`` for a ``k x k`` kernel) to the kernel's shape and runs one
-  convolution with ``W + (alpha / r) B A``, which saves the input and that summed kernel.
-  ``add_lora(model, r, alpha)`` wraps every ``Linear`` and ``Conv2d``; ``merge_lora(model)`` folds each update
-  into a plain layer for inference, which then costs nothing extra.
+- **LoRA** (Hu et al. 2021): an adapted layer keeps ``W`` frozen and learns ``(alpha / r) B A``, ``A`` of ``r``
+  rows, ``B`` of ``r`` columns, ``B`` starting at zero (training starts at the pretrained function). ``LoRALinear``
+  computes ``W x + (alpha / r) B (A x)``, saving ``x`` and ``A x``; ``LoRAConv2d`` (ConvLoRA, Aleem et al. 2024)
+  reshapes ``B A`` to the kernel's shape and runs one convolution with ``W + (alpha / r) B A``. ``add_lora`` wraps
+  every ``Linear`` and ``Conv2d``; ``merge_lora`` folds each update into a plain layer for inference.
 
-So both cut the gradients and the optimizer state to the trainable part. Only freezing removes activations, and
-only in front of the first trainable layer: LoRA's adapters need every adapted layer's input, as full training
-does. The bytes are counted, and checked against ``memory``'s measurements, in tests/test_lora.py.
+Both cut the gradients and the optimizer state to the trainable part; only freezing removes activations, and only
+in front of the first trainable layer. tests/test_lora.py checks the bytes against ``memory``'s measurements.
 """
 
 from __future__ import annotations

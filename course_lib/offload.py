@@ -1,22 +1,14 @@
 """Activation offload: move what autograd saves off the device until the backward pass needs it (chapter 11).
 
-Checkpointing (chapter 05) drops saved tensors and recomputes them. Offloading
-copies them to host memory in the forward pass and back in the backward pass:
-nothing is recomputed, but every offloaded byte crosses the host link twice
-(PCIe 4.0 x16: about 25 GB/s in practice, against a GPU's 1-5 TB/s of memory
-bandwidth), so it pays when the copies overlap with compute. Both ride on
-saved-tensor hooks: under ``torch.autograd.graph.saved_tensors_hooks(pack, unpack)``
-autograd stores ``pack(t)`` instead of every tensor ``t`` an op saves, and calls
-``unpack`` on it when the backward pass needs ``t`` again.
+Checkpointing (chapter 05) drops saved tensors and recomputes them; offloading copies them to host memory in the
+forward pass and back in the backward: nothing is recomputed, but every offloaded byte crosses the host link twice
+(PCIe 4.0 x16: about 25 GB/s, against a GPU's 1-5 TB/s), so it pays when the copies overlap with compute. Both ride
+on ``torch.autograd.graph.saved_tensors_hooks(pack, unpack)``: autograd stores ``pack(t)`` for every saved ``t``.
 
-- ``OffloadToHost``: the hooks by hand. On CUDA, ``pack`` copies to host memory.
-  On a CPU machine the device *is* the host, so it copies into a NumPy array,
-  memory that PyTorch's allocator (what ``memory.peak_bytes`` reads) does not
-  count: a simulation of the host that is exact in bytes and copies, not in time.
-- ``CountedSaveOnCpu``: PyTorch's ``torch.autograd.graph.save_on_cpu``, counting
-  what it copies (for a tensor already on the CPU: nothing, so on a CPU machine
-  it changes no number).
-- ``Offloaded`` and ``offload_blocks``: run each block of a model under the hooks.
+- ``OffloadToHost``: the hooks by hand. On CUDA, ``pack`` copies to host memory; on a CPU machine the device *is*
+  the host, so it copies into a NumPy array, which PyTorch's allocator does not count: exact in bytes, not in time.
+- ``CountedSaveOnCpu``: PyTorch's ``save_on_cpu``, counting what it copies (on a CPU machine: nothing).
+- ``Offloaded`` and ``offload_blocks``: each block of a model under the hooks.
 - ``predict_offload_peak`` and ``offload_traffic_bytes``: what a planner needs.
 """
 

@@ -1,27 +1,14 @@
 """Run independent training jobs in a few processes at once (chapters 02 and 04).
 
-A chapter that repeats a small training run over seeds or settings leaves all but
-one core idle at the ``cpu`` profile, where each run uses one intra-op thread::
+A chapter that repeats a small run over seeds or settings leaves all but one core idle at the ``cpu`` profile:
+``parallel_runs.run_jobs(train_one, [(seed,) for seed in range(9)])`` is ``[train_one(seed) for seed in
+range(9)]`` computed two (or ``processes``) jobs at a time in forked copies of this process, in the jobs' order.
 
-    results = parallel_runs.run_jobs(train_one, [(seed,) for seed in range(9)])
-
-is ``[train_one(seed) for seed in range(9)]``, computed two (or ``processes``) jobs
-at a time in forked copies of this process, and returned in the jobs' order. A
-job is a tuple of arguments; its result comes back pickled.
-
-Same numbers as one by one: a forked child starts as an exact copy of the parent
-(weights, datasets, the job function as defined in the notebook), and every job,
-in a child or in the parent, runs on one intra-op thread, so a job that seeds itself
-computes bit for bit the same wherever it runs. (One thread is also what a forked
-child can use safely: OpenMP's thread pool does not survive a fork, and a child that
-starts a parallel region the parent's pool had served hangs.) Nothing hangs: a job that raises stops the others and
-raises ``RuntimeError`` with its traceback; a child that dies (killed, out of
-memory) or a run past ``timeout`` does the same.
-
-Where fork is unavailable or unsafe the jobs run one by one in this process, with
-the same results: on Windows and macOS (fork is missing, or unsafe with the
-system's frameworks there), and once CUDA is initialised (a forked child cannot
-use it; one GPU is busy enough with one job anyway).
+Same numbers as one by one: a forked child is an exact copy of the parent (weights, datasets, the job function),
+and every job runs on one intra-op thread, so a job that seeds itself computes bit for bit the same wherever it
+runs (one thread is also all a forked child can use safely: OpenMP's pool does not survive a fork). Nothing hangs:
+a job that raises, a child that dies or a run past ``timeout`` stops the others and raises ``RuntimeError``.
+Where fork is missing or unsafe (Windows, macOS, once CUDA is initialised) the jobs run one by one, same results.
 """
 
 from __future__ import annotations

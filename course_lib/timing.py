@@ -1,22 +1,16 @@
 """How the course times a piece of work: warm-up, repeats, the fastest and the median (chapter 02; used everywhere).
 
-One timing of one call lies in four ways:
+One timing of one call lies in four ways. The **first call** pays for what later calls do not (the allocator grows
+its pools, a kernel is chosen or compiled, caches are cold): an untimed warm-up takes that out. **Other processes**
+share the cores: repeating the call and keeping the **fastest** gives the least disturbed run, the **median** a
+typical one, and the spread (slowest over fastest) how noisy the machine was. Two pieces of work timed one after
+the other put a busy moment on one of them: ``in_turns`` times them **in turns** (a, b, a, b, ...). On a **GPU**
+the host only queues kernels: CUDA events, stamped by the GPU on the stream, time the work (a host clock needs
+``torch.cuda.synchronize()`` before and after).
 
-- the **first call** pays for things later calls do not: the allocator grows its pools, a kernel is chosen (and
-  on a GPU loaded or compiled), caches are cold. A warm-up call, not timed, takes that out;
-- **other processes** share the cores: a moment when one runs slows whichever call is being timed. Repeating the
-  call and keeping the **fastest** gives the run least disturbed; the **median** says what a typical call took,
-  and the spread (slowest over fastest) says how noisy the machine was;
-- comparing two pieces of work timed one after the other puts a busy moment on one of them: ``in_turns`` times
-  them **in turns** (a, b, a, b, ...), so a slowdown hits both;
-- on a **GPU** the host only queues kernels and returns: a host clock around the call times the queueing. CUDA
-  events, recorded on the stream around the call, are stamped by the GPU when it gets there; a host clock there
-  needs ``torch.cuda.synchronize()`` before and after.
-
-``time_s`` times one call (the building block), ``bench`` one piece of work with warm-up and repeats, and
-``in_turns`` / ``fastest_times`` several pieces compared. ``env.time_s`` is this module's ``time_s``
-(``env.cpu_speed`` times with it). ``distributed.clock`` is something else: time *stamps* of the ops inside a
-multi-process run, for Gantt charts, not durations of repeated calls.
+``time_s`` times one call, ``bench`` one piece of work with warm-up and repeats, ``in_turns`` / ``fastest_times``
+several pieces compared (``env.time_s`` is ``time_s``). ``experiments.clock`` is something else: time *stamps* of
+the ops inside a multi-process run, for Gantt charts.
 """
 
 from __future__ import annotations

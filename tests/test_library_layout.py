@@ -64,11 +64,7 @@ def test_each_parallel_teaching_file_reads_in_one_sitting(path: Path) -> None:
         f"course_lib/{path.relative_to(LIB)}'s module docstring has {doc_lines(path)} lines (at most about 15)")
 
 
-# Module docstrings outside parallel/ still past MAX_DOC_LINES, by name, with their length today. Each carries its
-# chapter's explanation (chunked_loss, offload: chapter 11; lora: 01; timing: 02; parallel_runs: 02 and 04) and is
-# to be shortened by moving the detail into the functions it explains; the list only shrinks (a test checks that
-# every entry is still needed), and no other module may join it.
-DOC_ALLOWANCE = {"chunked_loss.py": 21, "lora.py": 23, "offload.py": 20, "parallel_runs.py": 24, "timing.py": 19}
+# The same for every other teaching module: the single-process chapters, the planner.
 SINGLE = sorted(p for p in teaching_files() if p.relative_to(LIB).parts[0] != "parallel" and p.name != "__init__.py")
 
 
@@ -76,15 +72,8 @@ SINGLE = sorted(p for p in teaching_files() if p.relative_to(LIB).parts[0] != "p
 def test_each_teaching_file_outside_parallel_reads_in_one_sitting(path: Path) -> None:
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_LINES, f"course_lib/{path.relative_to(LIB)} has {lines} lines (at most about 300)"
-    allowed = DOC_ALLOWANCE.get(str(path.relative_to(LIB)), MAX_DOC_LINES)
-    assert doc_lines(path) <= allowed, (
+    assert doc_lines(path) <= MAX_DOC_LINES, (
         f"course_lib/{path.relative_to(LIB)}'s module docstring has {doc_lines(path)} lines (at most about 15)")
-
-
-def test_each_docstring_allowance_is_still_needed() -> None:
-    for name, allowed in DOC_ALLOWANCE.items():
-        assert MAX_DOC_LINES < doc_lines(LIB / name) <= allowed, (
-            f"course_lib/{name}'s docstring now has {doc_lines(LIB / name)} lines: lower or drop its DOC_ALLOWANCE")
 
 
 def test_the_parallel_teaching_code_is_near_3k_lines() -> None:
