@@ -222,7 +222,7 @@ def shard_bounds(numel: int, world_size: int, rank: int) -> tuple[int, int]:
     ``ceil(numel / world_size)`` slots (equal slots: what reduce-scatter and all-gather need); the vector is padded
     to ``world_size`` times that, so the last ranks' slices may hold fewer real elements (or none)."""
     if numel < 0 or world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"need numel >= 0, world_size >= 1 and rank in [0, world_size), got {numel, world_size, rank}")
+        raise ValueError(f"need numel >= 0 and 0 <= rank < world_size: got {numel=}, {world_size=}, {rank=}")
     size = math.ceil(numel / world_size)
     start = min(rank * size, numel)
     return start, min(start + size, numel)
