@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from course_lib.parallel.context_parallel import layout
 from course_lib.parallel.context_parallel import ring_attention as cp
 from course_lib.experiments import launch
+from course_lib.experiments import cp_checks
 from course_lib.experiments.cp_checks import OPS, MeasuredRing, sent_per_pass
 from course_lib.experiments.run_config import RunConfig
 from course_lib.experiments.workers.cp_compare import CPReport
@@ -58,11 +59,11 @@ def test_bad_input_says_what_to_do() -> None:
 def test_causal_work_per_rank() -> None:
     c, T = 4, 64
     n = T // c
-    plain = layout.causal_pairs(T, c, "plain")
+    plain = cp_checks.causal_pairs(T, c, "plain")
     assert plain[0] == n * (n + 1) // 2 and plain[-1] == (c - 1) * n * n + n * (n + 1) // 2
     assert plain[-1] / plain[0] == pytest.approx(((2 * c - 1) * n + 1) / (n + 1))  # -> 2c - 1 as n grows
-    assert len(set(layout.causal_pairs(T, c, "zigzag"))) == 1
-    assert sum(layout.causal_pairs(T, c, "zigzag")) == T * (T + 1) // 2
+    assert len(set(cp_checks.causal_pairs(T, c, "zigzag"))) == 1
+    assert sum(cp_checks.causal_pairs(T, c, "zigzag")) == T * (T + 1) // 2
 
 
 def _reference(q, k, v):
@@ -98,8 +99,8 @@ def test_blockwise_backward_equals_autograd() -> None:
     o, lse, pairs = cp.block_attention(q.detach(), k.detach(), v.detach(), pos, pos)
     assert pairs == 8 * 9 // 2
     delta = (grad * o).sum(-1, keepdim=True)
-    parts = [cp.block_attention_backward(q.detach(), k.detach()[..., s, :], v.detach()[..., s, :], grad, lse, delta,
-                                         pos, pos[s]) for s in (slice(0, 4), slice(4, 8))]
+    parts = [cp_checks.block_attention_backward(q.detach(), k.detach()[..., s, :], v.detach()[..., s, :], grad, lse,
+                                                delta, pos, pos[s]) for s in (slice(0, 4), slice(4, 8))]
     dq = parts[0][0] + parts[1][0]
     dk, dv = torch.cat([parts[0][1], parts[1][1]], -2), torch.cat([parts[0][2], parts[1][2]], -2)
     for got, want in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
@@ -232,8 +233,8 @@ def test_ring_in_threads_equals_one_process(c: int, dtype: torch.dtype, tol: flo
         assert all(t.dtype == dtype for t in got)
         for what, err in _relative_errors(got, want).items():
             assert err < tol, (name, what, err)
-        assert [r.pairs[0] for r in rings] == layout.causal_pairs(16, c, name)
-        assert [r.scores[0] for r in rings] == layout.tile_scores(16, c, name)
+        assert [r.pairs[0] for r in rings] == cp_checks.causal_pairs(16, c, name)
+        assert [r.scores[0] for r in rings] == cp_checks.tile_scores(16, c, name)
 
 
 @pytest.mark.parametrize("c", [2, 4])
@@ -260,13 +261,13 @@ def test_work_per_rank_tiles_against_whole_blocks() -> None:
     for c in (1, 2, 4):
         T = 8 * c
         n = T // c
-        tiles, whole = layout.tile_scores(T, c), layout.full_block_scores(T, c)
+        tiles, whole = cp_checks.tile_scores(T, c), cp_checks.full_block_scores(T, c)
         assert tiles == [n * n + (c - 1) * n * n // 2] * c, "own block whole, the others' half"
         assert whole == [c * n * n] * c
-        assert [t - p for t, p in zip(tiles, layout.causal_pairs(T, c))] == [n * (n - 1) // 2] * c, \
+        assert [t - p for t, p in zip(tiles, cp_checks.causal_pairs(T, c))] == [n * (n - 1) // 2] * c, \
             "only the own block's masked half is computed in vain"
         plain = [(r + 1) * n * n for r in range(c)]  # rank r: the blocks of ranks 0..r, whole, no half to cut
-        assert layout.tile_scores(T, c, "plain") == layout.full_block_scores(T, c, "plain") == plain
+        assert cp_checks.tile_scores(T, c, "plain") == cp_checks.full_block_scores(T, c, "plain") == plain
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-14), (torch.float32, 1e-6)])
@@ -284,7 +285,7 @@ def test_a_tile_computes_what_the_masked_whole_block_does(name: str, dtype: torc
             o, lse, _ = cp.block_attention(q, k, v, q_pos, k_pos)
             assert torch.allclose(o, o_ref, atol=tol, rtol=0) and torch.allclose(lse, lse_ref, atol=tol, rtol=0)
             final = cp._finite(lse_ref) + 1.0  # any finite L: the terms must agree
-            got = cp.block_attention_backward(q, k, v, do, final, delta, q_pos, k_pos)
+            got = cp_checks.block_attention_backward(q, k, v, do, final, delta, q_pos, k_pos)
             want = cp.attend_backward(q, k, v, do, final, delta, mask)
             for a, b in zip(got, want):
                 assert torch.allclose(a, b, atol=tol * 10, rtol=0), (i, j)
@@ -353,7 +354,8 @@ def test_ring_equals_one_process_in_float64(rep: CPReport) -> None:
 def test_work_per_rank(rep: CPReport) -> None:
     c, T = rep.world, rep.seq_len
     plain, zigzag = rep.layout("plain"), rep.layout("zigzag")
-    assert plain.pairs == layout.causal_pairs(T, c, "plain") and zigzag.pairs == layout.causal_pairs(T, c, "zigzag")
+    assert plain.pairs == cp_checks.causal_pairs(T, c, "plain")
+    assert zigzag.pairs == cp_checks.causal_pairs(T, c, "zigzag")
     n = T // c
     assert plain.pairs[-1] / plain.pairs[0] == pytest.approx(((2 * c - 1) * n + 1) / (n + 1))
     assert len(set(zigzag.pairs)) == 1

@@ -43,6 +43,65 @@ def sent_per_pass(counter: ByteCounter) -> dict[str, float]:
     return {name: sum(counter.by_op.get(op, 0.0) for op in ops) for name, ops in PASS_OPS.items()}
 
 
+def causal_pairs(T: int, c: int, layout: str = "zigzag") -> list[int]:
+    """Query-key pairs each rank's queries attend to under the causal mask: the position p sees p + 1 keys."""
+    return [int((cp_layout.positions(T, c, r, layout) + 1).sum()) for r in range(c)]
+
+
+def tile_scores(T: int, c: int, layout: str = "zigzag") -> list[int]:
+    """Score elements each rank's forward computes per sequence and head, tiles only: under the zigzag
+    ``n^2 + (c-1) n^2/2`` (own block whole, the others' half), ``n = T/c``."""
+    pos = [cp_layout.position_list(T, c, r, layout) for r in range(c)]
+    return [sum(cp_layout.Tile.of(pos[r], pos[j], "cpu").scores for j in range(c)) for r in range(c)]
+
+
+def full_block_scores(T: int, c: int, layout: str = "zigzag") -> list[int]:
+    """The same count for whole ``n x n`` blocks, masked, every block with a visible pair computed: ``c n^2`` per
+    rank under the zigzag (what a kernel that masks but never slices computes)."""
+    n, pos = T // c, [cp_layout.position_list(T, c, r, layout) for r in range(c)]
+    return [n * n * sum(cp_layout.Tile.of(pos[r], pos[j], "cpu").pairs > 0 for j in range(c)) for r in range(c)]
+
+
+def block_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
+                             delta: torch.Tensor, q_pos: cp_layout.Positions, k_pos: cp_layout.Positions
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block's terms of ``dq, dk, dv`` as a rank computes them (``attend_backward`` on its ``Tile``, zero
+    elsewhere): the backward twin of ``ring_attention.block_attention``, for the tests and the notebook's timing."""
+    tile = cp_layout.Tile.of(q_pos, k_pos, q.device)
+    acc = cp.accumulation_dtype(q.dtype)
+    dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
+    if tile.pairs:
+        r, c = tile.rows, tile.cols
+        dq[..., r, :], dk[..., c, :], dv[..., c, :] = cp.attend_backward(
+            q[..., r, :], k[..., c, :], v[..., c, :], do[..., r, :], lse[..., r, :], delta[..., r, :], tile.visible)
+    return dq, dk, dv
+
+
+def sum_grads(model: torch.nn.Module) -> None:
+    """Sum every parameter's gradient over the ranks: each rank's tokens gave one term."""
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+
+
+_DP_GROUPS: dict[int, list[dist.ProcessGroup]] = {}  # dp -> its rings' groups, made once per process
+
+
+def data_parallel_group(dp: int) -> dist.ProcessGroup | None:
+    """This rank's ring when the ranks form ``dp`` data-parallel groups of ``world / dp`` consecutive ranks, each
+    group one ring over the whole sequence (``None``: the default group). Every rank makes every group, once, as
+    ``new_group`` requires. ``Ring.of(T, group=data_parallel_group(dp))`` is this rank's ring."""
+    world = dist.get_world_size()
+    if dp < 1 or world % dp:
+        raise ValueError(f"{dp} data-parallel groups do not divide the {world} ranks")
+    if dp == 1:
+        return None
+    c = world // dp
+    if dp not in _DP_GROUPS:
+        _DP_GROUPS[dp] = [dist.new_group(list(range(g * c, (g + 1) * c))) for g in range(dp)]
+    return _DP_GROUPS[dp][dist.get_rank() // c]
+
+
 @dataclass
 class HopTimes:
     """Seconds per ring step of one pass: computing the step's tile, and waiting for its messages afterwards
@@ -157,7 +216,7 @@ def _against_one_process(cfg: RunConfig, x: torch.Tensor, y: torch.Tensor, model
     one = build_model(cfg)
     ref = lm_loss(one(x), y)
     ref.backward()
-    cp_model.sum_grads(model)
+    sum_grads(model)
     total = loss.detach().clone()
     dist.all_reduce(total)
     return abs(total.item() - ref.item()), max_abs_diff([p.grad for p in model.parameters()],
@@ -203,8 +262,8 @@ def run_layout(cfg: RunConfig, layout: str, device: torch.device) -> LayoutResul
 def run_saved(cfg: RunConfig, device: torch.device, dp: int = 1) -> dict[str, list[int]]:
     """Bytes one block saves for the backward: on each rank of the ring (``cp``), and in one process (``one_process``:
     the same code; ``naive``, ``fused``: the course's block). With ``dp`` data-parallel groups
-    (``model.data_parallel_group``), a group's ``batch / dp`` sequences around its ring."""
-    ring = MeasuredRing.of(cfg.seq_len, group=cp_model.data_parallel_group(dp))
+    (``data_parallel_group``), a group's ``batch / dp`` sequences around its ring."""
+    ring = MeasuredRing.of(cfg.seq_len, group=data_parallel_group(dp))
     block = build_model(cfg, device).blocks[0]
     params = list(block.parameters())
     x = torch.randn(cfg.batch // dp, cfg.seq_len, cfg.d_model, device=device, requires_grad=True)
@@ -241,7 +300,7 @@ def cp_method(cfg: RunConfig, device: torch.device, ring: MeasuredRing, zero_sta
         held = functools.partial(held_bytes, model, opt)  # the states this rank holds, as chapter 01 counts them
 
         def update() -> None:
-            cp_model.sum_grads(model)
+            sum_grads(model)
             opt.step()
     scale = dist.get_world_size() if zero_stage else 1
 
@@ -266,7 +325,7 @@ def run_train(cfg: RunConfig, device: torch.device, dp: int = 1, zero_stage: int
     step 1 on), the lowest kept. The profiler slows the steps it watches, so only the others are timed, from step 4 on
     (step 0 pays for first-call allocations): ``seconds`` is empty below 5 steps.
     """
-    ring = MeasuredRing.of(cfg.seq_len, group=cp_model.data_parallel_group(dp))
+    ring = MeasuredRing.of(cfg.seq_len, group=data_parallel_group(dp))
     ref_losses, _ = reference(cfg)  # one process, the whole batch: what the ring must equal
     m = cp_method(cfg, device, ring, zero_stage)
     losses, seconds, peaks = [], [], []

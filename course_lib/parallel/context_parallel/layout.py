@@ -27,11 +27,8 @@ Positions = Sequence[int] | torch.Tensor  # global positions: host integers, or 
 
 
 def check_layout(T: int, c: int, layout: str = "zigzag") -> None:
-    """Raise a clear ``ValueError`` unless ``T`` positions can be laid out over ``c`` ranks as ``layout``.
-
-    Both layouts cut the sequence into ``2c`` equal chunks (the zigzag needs
-    them; the plain split uses the same chunks, so the two compare tile for tile).
-    """
+    """Raise a ``ValueError`` unless ``T`` positions lay out over ``c`` ranks as ``layout``: both layouts cut the
+    sequence into ``2c`` equal chunks (the zigzag needs them; the plain split too, so the two compare tile for tile)."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     if not isinstance(c, int) or c < 1:
@@ -65,18 +62,11 @@ def shard(x: torch.Tensor, c: int, rank: int, layout: str = "zigzag", dim: int =
 
 def unshard(parts: list[torch.Tensor], layout: str = "zigzag", dim: int = 1) -> torch.Tensor:
     """The whole tensor from every rank's part, in rank order (the inverse of ``shard``)."""
-    c = len(parts)
-    T = parts[0].shape[dim] * c
-    out = torch.empty(*parts[0].shape[:dim], T, *parts[0].shape[dim + 1:], dtype=parts[0].dtype,
-                      device=parts[0].device)
+    c, T = len(parts), parts[0].shape[dim] * len(parts)
+    out = parts[0].new_empty(*parts[0].shape[:dim], T, *parts[0].shape[dim + 1:])
     for r, p in enumerate(parts):
         out.index_copy_(dim, positions(T, c, r, layout).to(p.device), p)
     return out
-
-
-def causal_pairs(T: int, c: int, layout: str = "zigzag") -> list[int]:
-    """Query-key pairs each rank's queries attend to under the causal mask: the position p sees p + 1 keys."""
-    return [int((positions(T, c, r, layout) + 1).sum()) for r in range(c)]
 
 
 def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
@@ -85,11 +75,8 @@ def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
 
 def _span(qs: list[int], ks: list[int]) -> tuple[int, int, bool]:
     """Where a block's visible pairs lie: queries ``a:``, keys ``:b``, and whether every pair in there is visible.
-
-    With both position lists ascending (every layout's are), the queries that see
-    some key are those at or after the first key, a suffix of the list; the keys
-    some query sees are those at or before the last query, a prefix. Unsorted
-    positions keep the whole block, masked.
+    With both lists ascending (every layout's are), the queries that see some key are a suffix (at or after the
+    first key), the keys some query sees a prefix (at or before the last query). Unsorted: the whole block, masked.
     """
     if qs != sorted(qs) or ks != sorted(ks):
         return 0, len(ks), False
@@ -99,13 +86,9 @@ def _span(qs: list[int], ks: list[int]) -> tuple[int, int, bool]:
 
 @dataclass(frozen=True)
 class Tile:
-    """The part of one query block against one key block that holds its visible pairs, and its causal mask.
-
-    Under the zigzag only the own block is masked (``visible``); the others' tiles
-    are wholly visible (``visible`` is ``None``). Built from the positions on the
-    host, once per hop (the ring keeps it): counting a mask's pairs on a GPU
-    would make the host wait at every hop.
-    """
+    """The part of one query block against one key block that holds its visible pairs, and its causal mask (under
+    the zigzag the own block's only). Built from the positions on the host, once per hop (the ring keeps it):
+    counting a mask's pairs on a GPU would make the host wait at every hop."""
 
     rows: slice                    # the queries computed
     cols: slice                    # the keys computed
@@ -115,29 +98,12 @@ class Tile:
 
     @classmethod
     def of(cls, q_pos: Positions, k_pos: Positions, device: torch.device | str) -> "Tile":
-        """The tile of queries at ``q_pos`` against keys at ``k_pos``; pairs counted in Python, the mask (where one
-        is needed) made on ``device`` from the positions (a copy of two index lists, no wait for the device)."""
-        # tensors are read on the host: positions live there (``positions``); a ring passes lists
+        """The tile of queries at ``q_pos`` against keys at ``k_pos`` (host positions); pairs counted in Python, the
+        mask (where one is needed) made on ``device`` from the positions (two index lists copied, no wait)."""
         qs, ks = (pos.tolist() if torch.is_tensor(pos) else [int(p) for p in pos] for pos in (q_pos, k_pos))
         ordered = sorted(ks)
         pairs = sum(bisect.bisect_right(ordered, q) for q in qs)  # keys at or before each query
         a, b, whole = _span(qs, ks)
-        mask = None
-        if pairs and not whole:
-            mask = _visible(torch.tensor(qs[a:], device=device), torch.tensor(ks[:b], device=device))
+        mask = None if whole or not pairs else _visible(torch.tensor(qs[a:], device=device),
+                                                         torch.tensor(ks[:b], device=device))
         return cls(slice(a, len(qs)), slice(0, b), mask, pairs, (len(qs) - a) * b if pairs else 0)
-
-
-def tile_scores(T: int, c: int, layout: str = "zigzag") -> list[int]:
-    """Score elements each rank's forward computes per sequence and head, tiles only: under the zigzag
-    ``n^2 + (c-1) n^2/2`` (own block whole, the others' half), ``n = T/c``."""
-    return [sum(Tile.of(position_list(T, c, r, layout), position_list(T, c, j, layout), "cpu").scores
-                for j in range(c)) for r in range(c)]
-
-
-def full_block_scores(T: int, c: int, layout: str = "zigzag") -> list[int]:
-    """The same count for whole ``n x n`` blocks, masked, every block with a visible pair computed: ``c n^2`` per
-    rank under the zigzag (what a kernel that masks but never slices computes)."""
-    n = T // c
-    return [n * n * sum(Tile.of(position_list(T, c, r, layout), position_list(T, c, j, layout), "cpu").pairs > 0
-                        for j in range(c)) for r in range(c)]

@@ -5,13 +5,13 @@ own tokens through the same modules as one process (the position embedding
 reads their *global* positions) and only attention goes round the ring. A
 rank's loss is the sum over its tokens divided by all tokens of the batch, so
 the ranks' shares add up to the mean; the weights are replicated, and each
-gradient is summed over the ranks afterwards, as in data parallelism.
+gradient is summed over the ranks afterwards, as in data parallelism
+(``experiments.cp_checks.sum_grads``).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -56,28 +56,3 @@ def cp_local_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, ring: Ring
     """``cp_loss`` of this rank's positions ``x``, ``y`` (already sharded) over a batch of ``tokens`` tokens."""
     logits = model_forward(model, x, ring)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum") / tokens
-
-
-def sum_grads(model: nn.Module) -> None:
-    """Sum every parameter's gradient over the ranks: each rank's tokens gave one term."""
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad)
-
-
-_DP_GROUPS: dict[int, list[dist.ProcessGroup]] = {}  # dp -> its rings' groups, made once per process
-
-
-def data_parallel_group(dp: int) -> dist.ProcessGroup | None:
-    """This rank's ring when the ranks form ``dp`` data-parallel groups of ``world / dp`` consecutive ranks, each
-    group one ring over the whole sequence (``None``: the default group). Every rank makes every group, once, as
-    ``new_group`` requires. ``Ring.of(T, group=data_parallel_group(dp))`` is this rank's ring."""
-    world = dist.get_world_size()
-    if dp < 1 or world % dp:
-        raise ValueError(f"{dp} data-parallel groups do not divide the {world} ranks")
-    if dp == 1:
-        return None
-    c = world // dp
-    if dp not in _DP_GROUPS:
-        _DP_GROUPS[dp] = [dist.new_group(list(range(g * c, (g + 1) * c))) for g in range(dp)]
-    return _DP_GROUPS[dp][dist.get_rank() // c]

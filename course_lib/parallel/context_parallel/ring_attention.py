@@ -16,8 +16,10 @@ them. Which positions a rank holds and which part of a block it computes:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -29,11 +31,8 @@ from course_lib.parallel.context_parallel.layout import Positions, Tile, check_l
 def merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Two partial attention results of the same queries over disjoint key sets, as one: the online softmax.
-
-    Each ``o_i`` weighs ``exp(L_i - L)`` with ``L = log(exp L_1 + exp L_2)``, taken
-    against the running maximum so that no exponential overflows; a row that saw
-    no key (``L = -inf``) weighs nothing.
-    """
+    Each ``o_i`` weighs ``exp(L_i - L)`` with ``L = log(exp L_1 + exp L_2)``, taken against the running maximum so
+    that no exponential overflows; a row that saw no key (``L = -inf``) weighs nothing."""
     m = _finite(torch.maximum(lse1, lse2))
     w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
     total = w1 + w2
@@ -50,22 +49,9 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:
-        acc = accumulation_dtype(q.dtype)
-        o = torch.zeros(q.shape, dtype=acc, device=q.device)  # no key seen yet: o = 0, L = -inf
-        lse = torch.full((*q.shape[:-1], 1), -math.inf, dtype=acc, device=q.device)
-        kv = torch.stack([k, v])  # one message per hop
-        for step in range(ring.world):
-            hop = None
-            if step < ring.world - 1:  # post the next block's transfer first: it travels while this one computes
-                hop, (incoming,) = ring.pass_on([kv], KV_TAG)
-            tile = ring.tile(ring.rank - step, q.device)  # we hold the block of rank - step
-            if tile.pairs:  # the tile only, merged into its rows (in the accumulation dtype)
-                rows, cols = tile.rows, tile.cols
-                ob, lb = attend(q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], tile.visible)
-                o[..., rows, :], lse[..., rows, :] = merge(o[..., rows, :], lse[..., rows, :], ob, lb)
-            if hop is not None:
-                hop.wait()
-                kv = incoming
+        o, lse = _no_keys(q)  # o = 0, L = -inf, in the accumulation dtype
+        for source, kv in ring.circulate(torch.stack([k, v]), KV_TAG):  # one message per hop
+            _merge_tile(o, lse, q, kv[0], kv[1], ring.tile(source, q.device))
         ctx.ring = ring
         o = o.to(q.dtype)
         ctx.save_for_backward(q, k, v, o, lse)  # all T/c long: no (T, T) matrix is kept
@@ -78,14 +64,10 @@ class _RingAttention(torch.autograd.Function):
         acc = accumulation_dtype(q.dtype)
         delta = (do.to(acc) * o.to(acc)).sum(dim=-1, keepdim=True)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        kv = torch.stack([k, v])
         grads = torch.zeros((2, *k.shape), dtype=acc, device=k.device)  # dK, dV of the block held: its sums so far
         grads_hop = grads_in = None  # the sums sent on last step, and the buffer the left neighbour's arrive in
-        for step in range(ring.world):
-            kv_hop = None
-            if step < ring.world - 1:  # the next K, V travel while this block is computed
-                kv_hop, (kv_next,) = ring.pass_on([kv], KV_BACK_TAG)
-            tile = ring.tile(ring.rank - step, q.device)
+        for source, kv in ring.circulate(torch.stack([k, v]), KV_BACK_TAG):  # the next K, V travel meanwhile
+            tile = ring.tile(source, q.device)
             rows, cols = tile.rows, tile.cols
             if tile.pairs:
                 dqb, dkb, dvb = attend_backward(q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :],
@@ -99,12 +81,7 @@ class _RingAttention(torch.autograd.Function):
                 grads[1][..., cols, :] += dvb
             if ring.world > 1:  # on to the next rank, waited for after the next tile (after the last: home)
                 grads_hop, (grads_in,) = ring.pass_on([grads], DKV_TAG)
-            if kv_hop is not None:
-                kv_hop.wait()
-                kv = kv_next
-        if grads_hop is not None:
-            # after c - 1 hops this rank held the right neighbour's dK, dV: the last hop took them home, and no
-            # tile is left to hide it behind
+        if grads_hop is not None:  # we hold the right neighbour's dK, dV: the last hop home, no tile to hide it
             grads_hop.wait()
             grads = grads_in
         return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None
@@ -122,11 +99,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring
 @dataclass
 class Ring:
     """The ring one rank is in: ``world`` ranks of ``group`` laid out as ``layout`` over ``T`` positions.
-
-    ``Ring.of(T)`` joins the default group; ``Ring(T, world=1)`` is one process,
-    for references. The ring keeps each hop's ``Tile`` once built: one mask of
-    ``(T/c)^2`` bytes on the device, its own block's.
-    """
+    ``Ring.of(T)`` joins the default group; ``Ring(T, world=1)`` is one process, for references. It keeps each hop's
+    ``Tile`` once built: one mask of ``(T/c)^2`` bytes on the device, its own block's."""
 
     T: int
     layout: str = "zigzag"
@@ -145,15 +119,25 @@ class Ring:
     def positions(self, rank: int | None = None) -> torch.Tensor:
         return positions(self.T, self.world, (self.rank if rank is None else rank) % self.world, self.layout)
 
-    def position_list(self, rank: int | None = None) -> list[int]:
-        return position_list(self.T, self.world, (self.rank if rank is None else rank) % self.world, self.layout)
-
     def tile(self, source: int, device: torch.device) -> Tile:
         """This rank's queries against the keys of rank ``source``, on ``device``: built on the first hop only."""
         key = (source % self.world, torch.device(device))
         if key not in self._tiles:
-            self._tiles[key] = Tile.of(self.position_list(), self.position_list(source), device)
+            pos = functools.partial(position_list, self.T, self.world, layout=self.layout)
+            self._tiles[key] = Tile.of(pos(self.rank), pos(key[0]), device)
         return self._tiles[key]
+
+    def circulate(self, block: torch.Tensor, tag: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """Yield ``(source, block)`` for the ``world`` blocks in turn, ours first (``source``: the rank whose block
+        it is). The next block's transfer is posted before each is yielded and waited for after the caller's tile."""
+        for step in range(self.world):
+            hop = None
+            if step < self.world - 1:  # posted first: it travels while this block computes
+                hop, (incoming,) = self.pass_on([block], tag)
+            yield self.rank - step, block  # we hold the block of rank - step
+            if hop is not None:
+                hop.wait()
+                block = incoming
 
     def pass_on(self, tensors: list[torch.Tensor], tag: int) -> tuple[Exchange, list[torch.Tensor]]:
         """Post: send ``tensors`` to the right neighbour, receive the left's into new buffers; return both."""
@@ -175,6 +159,22 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 def _finite(lse: torch.Tensor) -> torch.Tensor:
     # a row that saw no key has L = -inf; subtracting it would give nan, and its probabilities are 0 anyway
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def _no_keys(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The result of ``q``'s rows before any key: ``o = 0``, ``L = -inf``, in the accumulation dtype."""
+    acc = accumulation_dtype(q.dtype)
+    return (torch.zeros(q.shape, dtype=acc, device=q.device),
+            torch.full((*q.shape[:-1], 1), -math.inf, dtype=acc, device=q.device))
+
+
+def _merge_tile(o: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile: Tile
+                ) -> None:
+    """Merge ``tile``'s part of the block ``k, v`` into the rows ``o, L`` it holds, in place (nothing if empty)."""
+    if tile.pairs:
+        rows, cols = tile.rows, tile.cols
+        ob, lb = attend(q[..., rows, :], k[..., cols, :], v[..., cols, :], tile.visible)
+        o[..., rows, :], lse[..., rows, :] = merge(o[..., rows, :], lse[..., rows, :], ob, lb)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None
@@ -216,34 +216,12 @@ def attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: Positions, k_pos: Positions
                     ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Causal attention of queries (``.., n_q, d``) at ``q_pos`` over keys at ``k_pos``: ``(o, L, pairs)``.
-
-    One process, one block, as a rank computes it: only the block's ``Tile``;
-    the rows outside it get ``o = 0``, ``L = -inf``.
-    """
+    """Causal attention of queries (``.., n_q, d``) at ``q_pos`` over keys at ``k_pos``: ``(o, L, pairs)``, one block
+    as a rank computes it: only the block's ``Tile``; the rows outside it get ``o = 0``, ``L = -inf``."""
     tile = Tile.of(q_pos, k_pos, q.device)
-    acc = accumulation_dtype(q.dtype)
-    o = torch.zeros(q.shape, dtype=acc, device=q.device)
-    lse = torch.full((*q.shape[:-1], 1), -math.inf, dtype=acc, device=q.device)
-    if tile.pairs:
-        rows, cols = tile.rows, tile.cols
-        o[..., rows, :], lse[..., rows, :] = attend(q[..., rows, :], k[..., cols, :], v[..., cols, :], tile.visible)
+    o, lse = _no_keys(q)
+    _merge_tile(o, lse, q, k, v, tile)
     return o, lse, tile.pairs
-
-
-def block_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
-                             delta: torch.Tensor, q_pos: Positions, k_pos: Positions
-                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This block's terms of ``dq, dk, dv`` (``attend_backward`` on its ``Tile``, zero elsewhere)."""
-    tile = Tile.of(q_pos, k_pos, q.device)
-    acc = accumulation_dtype(q.dtype)
-    dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
-    if tile.pairs:
-        rows, cols = tile.rows, tile.cols
-        dq[..., rows, :], dk[..., cols, :], dv[..., cols, :] = attend_backward(
-            q[..., rows, :], k[..., cols, :], v[..., cols, :], do[..., rows, :], lse[..., rows, :],
-            delta[..., rows, :], tile.visible)
-    return dq, dk, dv
 
 
 def ring_bytes_per_layer(T: int, b: int, h: int, c: int, act_bytes: int = 4,

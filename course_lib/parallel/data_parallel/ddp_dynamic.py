@@ -2,18 +2,16 @@
 
 Three things break ``BucketedDDP``'s bets, and this layer handles each:
 
-1. **A parameter accumulates twice per backward** (used inside and outside a reentrant checkpoint): the first
-   step only counts each parameter's hook calls and sends every bucket at its end; later steps send a bucket
-   when each of its parameters has reached its count (``hook_calls`` gives the counts up front).
-2. **A parameter is used on some ranks and not on others**: each bucket carries a 0/1 "has a gradient" flag
-   per parameter, so the same message tells which ones no rank used; those keep ``grad = None``.
-3. **A gradient comes after its bucket left** (a parameter used more often than in any step before): the last
-   bucket waits for the end of backward and carries one "late" flag per bucket; every rank re-sends the
-   buckets that any rank flagged, in the same order.
+1. **A parameter accumulates twice per backward** (reentrant checkpoint): the first step only counts each
+   parameter's hook calls (or ``hook_calls`` gives them); later steps send a bucket when each count is reached.
+2. **A parameter is used on some ranks only**: each bucket carries a 0/1 "has a gradient" flag per parameter,
+   so the same message tells which ones no rank used; those keep ``grad = None``.
+3. **A gradient comes after its bucket left**: the last bucket waits for the end of backward and carries one
+   "late" flag per bucket; every rank re-sends the buckets any rank flagged, in the same order.
 
 torch DDP's ``static_graph=True`` makes bet 1 and ``find_unused_parameters=True`` handles 2. The cost: 4 bytes
-of flags per tensor and per bucket, and the copies that ``BucketedDDP``'s views save (a late gradient must not
-land in a bucket on the wire, so each message is a copy of the gradients, copied back).
+of flags per tensor and per bucket, and the copies ``BucketedDDP``'s views save (a late gradient must not land
+in a bucket on the wire, so each message is a copy of the gradients, copied back).
 """
 
 from __future__ import annotations
@@ -34,8 +32,7 @@ class DynamicBucketedDDP(BucketedDDP):
                  first_bucket_mb: float | None = 1.0, hook_calls: Sequence[int] | None = None):
         super().__init__(module, bucket_cap_mb, counter, first_bucket_mb)
         if hook_calls is not None and len(hook_calls) != len(self.params):
-            raise ValueError(f"hook_calls needs one count per trainable parameter ({len(self.params)}), "
-                             f"got {len(hook_calls)}")
+            raise ValueError(f"hook_calls needs one count per trainable parameter, {len(self.params)}")
         # hook calls per parameter and backward: learned on the first step (None until then)
         self.expected: list[int] | None = None if hook_calls is None else list(hook_calls)
         self.resent = 0                                     # buckets sent twice because a gradient came late
@@ -60,14 +57,11 @@ class DynamicBucketedDDP(BucketedDDP):
     def _send(self, b: Bucket) -> None:
         # the gradients (zeros where there is none here), a 0/1 "has a gradient" flag per parameter,
         # and in the last bucket one "late" flag per bucket; .grad stays apart from the message
-        dtype, device = b.flat.dtype, b.flat.device
         grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in b.params]
-        flags = [torch.tensor([float(p.grad is not None) for p in b.params], dtype=dtype, device=device)]
-        if b is self.buckets[-1]:
-            late = torch.zeros(len(self.buckets), dtype=dtype, device=device)
-            late[sorted(self._late)] = 1.0
-            flags.append(late)
-        b.flat = torch.cat(grads + flags)
+        late = [float(k in self._late) for k in range(len(self.buckets))] if b is self.buckets[-1] else []
+        flags = torch.tensor([float(p.grad is not None) for p in b.params] + late, dtype=b.flat.dtype,
+                             device=b.flat.device)
+        b.flat = torch.cat(grads + [flags])
         b.work = comm.all_reduce(b.flat, counter=self.counter, async_op=True)  # returns at once
 
     @torch.no_grad()
@@ -82,8 +76,7 @@ class DynamicBucketedDDP(BucketedDDP):
                 self.resent += 1
                 self._send(self.buckets[k])
             # learned on the first step, raised if a later step needs more
-            self.expected = (list(self._count) if self.expected is None
-                             else [max(e, c) for e, c in zip(self.expected, self._count)])
+            self.expected = [max(e, c) for e, c in zip(self.expected or self._count, self._count)]
         super().finish_gradient_synchronization()               # waits (for the re-sent ones too), copies back
 
     @torch.no_grad()
@@ -92,13 +85,9 @@ class DynamicBucketedDDP(BucketedDDP):
         total = sum(b.sizes)
         used = b.flat[total: total + len(b.params)].tolist()
         for p, g, u in zip(b.params, b.flat[:total].split(b.sizes), used):
-            if u == 0:                                      # unused on every rank: keep grad None
-                continue
-            g = g.div_(self.world).view_as(p)               # the sum over ranks, then the mean
-            if p.grad is None:
-                p.grad = g.clone()
-            else:
-                p.grad.copy_(g)
+            if u:                                           # 0: unused on every rank, grad stays None
+                g = g.div_(self.world).view_as(p)           # the sum over ranks, then the mean
+                p.grad = g.clone() if p.grad is None else p.grad.copy_(g)
 
     def _reset(self) -> None:
         super()._reset()

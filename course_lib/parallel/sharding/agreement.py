@@ -1,17 +1,14 @@
 """The opt-in layer for ranks that do not all run the same backward: ``GuardedZeroOptimizer`` (chapter 09).
 
-A collective returns only when every rank of the group has called it: a rank that calls one its peers never call
-waits, on NCCL for ever (or for the process group's timeout). ``ZeroOptimizer``'s stage 2 starts its reduce-scatters
-from gradient hooks, so a rank that skips a backward, or raises in one, leaves its peers waiting. This subclass keeps
-every rank's sequence of collectives the same, at a price the plain version does not pay:
-
-- flags, small blocking all-reduces read on the host: one as a backward starts, one as it ends (which ranks failed,
-  which buckets any rank had a gradient for), one in ``step`` to join with zeros a backward this rank skipped (as
-  torch's ``Join`` does for DDP): a barrier and a host sync per backward, which DeepSpeed and FSDP do not pay;
-- parameters this backward will not reach count as arrived when it starts (their bucket need not wait for its end),
-  and a bucket no rank had a gradient for keeps ``piece.grad = None``, so Adam skips it;
-- a gradient that arrives twice raises on every rank together; stage 1 refuses gradients changed in place after the
-  backward or after ``step`` (``clip_grad_norm_`` on the model).
+A collective returns only when every rank has called it: a rank that calls one its peers never call waits, on
+NCCL for ever (or for the process group's timeout). Stage 2 starts its reduce-scatters from gradient hooks, so a
+rank that skips a backward, or raises in one, leaves its peers waiting. This subclass keeps every rank's sequence of
+collectives the same, at a price the plain version does not pay: small blocking flag all-reduces read on the host,
+as a backward starts, as it ends (which ranks failed, which buckets any rank had a gradient for) and in ``step``
+(to join with zeros a backward this rank skipped, as torch's ``Join`` does for DDP): a barrier and a host sync per
+backward, which DeepSpeed and FSDP do not pay. Parameters a backward will not reach count as arrived when it starts;
+a bucket no rank had a gradient for keeps ``piece.grad = None`` (Adam skips it); a gradient that arrives twice
+raises on every rank together; stage 1 refuses gradients changed in place after the backward or ``step``.
 """
 
 from __future__ import annotations
@@ -28,28 +25,14 @@ MISUSE = ("(clip_grad_norm_ on the model?). Under ZeRO each rank holds its own, 
 
 def flag_group() -> dist.ProcessGroup | None:
     """The group the flags travel on, as CPU tensors: the default one where it has gloo (gloo, or launch's
-    ``cpu:gloo,cuda:nccl``), else a gloo group of the same ranks, made for them (collectively).
-
-    The flags are read on the host as soon as they are summed. Summed on an NCCL group, on the GPU, reading them
-    would make the host wait for everything the device has queued, in the middle of the backward and again at
-    its end. Through gloo it costs a round trip between the hosts.
-    """
-    if "gloo" in str(dist.get_backend()).lower():
-        return None
-    return dist.new_group(backend="gloo")
-
-
-def raise_together(failed: list[int], mine: str | None) -> None:
-    """Raise on every rank if ``failed`` (one flag per rank) names any rank; ``mine``: this rank's error."""
-    if any(failed):
-        ranks = [r for r, e in enumerate(failed) if e]
-        raise RuntimeError(f"ZeroOptimizer: the backward failed on rank(s) {ranks}; every rank raises this "
-                           f"error together" + (f": {mine}" if mine else ""))
+    ``cpu:gloo,cuda:nccl``), else a gloo group of the same ranks (made collectively). The flags are read on the
+    host at once: summed on the GPU through NCCL, reading them would make the host wait for everything the device
+    has queued, mid-backward and at its end. Through gloo it costs a round trip between the hosts."""
+    return None if "gloo" in str(dist.get_backend()).lower() else dist.new_group(backend="gloo")
 
 
 class GuardedZeroOptimizer(ZeroOptimizer):
     """``ZeroOptimizer`` whose ranks agree on what each backward did; ``control_calls`` counts the flag all-reduces.
-
     Stage 2 spends two per backward and one per ``step`` or ``clip_grad_norm_``, plus two for each backward of
     another rank that it joins (the question, and the end). Stage 1 needs none: its collectives all run in ``step``.
     """
@@ -71,9 +54,7 @@ class GuardedZeroOptimizer(ZeroOptimizer):
 
     def _flags(self, flags: list[int], at: int | None = None) -> list[int]:
         """Sum integer ``flags`` over the ranks, blocking (``at``: set flag ``at`` to 1 on this rank first)."""
-        t = torch.tensor(flags, dtype=torch.int32)  # host: read back at once (see flag_group)
-        if at is not None:
-            t[at] = 1
+        t = torch.tensor([int(f or k == at) for k, f in enumerate(flags)], dtype=torch.int32)  # host (flag_group)
         dist.all_reduce(t, group=self._flag_group)
         self.control_calls += 1
         return t.tolist()
@@ -98,10 +79,8 @@ class GuardedZeroOptimizer(ZeroOptimizer):
 
     def _arrived_twice(self, i: int, p: torch.Tensor) -> None:
         """Note the error; every rank raises it together at the end of the backward."""
-        self._error = self._error or (
-            f"a gradient of parameter {i} arrived twice in one backward (or after the backward had counted it "
-            "unused): it takes part in the backward twice (reentrant checkpointing?); use torch.utils.checkpoint "
-            "with use_reentrant=False")
+        self._error = self._error or (f"a gradient of parameter {i} arrived twice in one backward (or after it "
+                                      "was counted unused): reentrant checkpointing? use use_reentrant=False")
         p.grad = None
 
     def _end_backward(self) -> None:
@@ -113,13 +92,15 @@ class GuardedZeroOptimizer(ZeroOptimizer):
             if u == 0 and fresh:  # no rank had a gradient for it: no gradient at all, so Adam skips it
                 b.piece.grad = None
         mine, self._error = self._error, None
-        raise_together(failed, mine)
+        if any(failed):  # every rank raises together
+            raise RuntimeError(f"ZeroOptimizer: the backward failed on rank(s) {[r for r, e in enumerate(failed) if e]}"
+                               + (f": {mine}" if mine else ""))
 
     # ----- both stages: before the gradient is read ---------------------------------------------------------------
 
     def _reduce_gradients(self) -> None:
-        """Stage 2: take part, with zeros, in every backward another rank is still running. Stage 1: check that
-        nobody changed the gradient in place since the backward. Then reduce as ``ZeroOptimizer`` does."""
+        """Stage 2: join with zeros every backward another rank still runs. Stage 1: check that nobody changed the
+        gradient in place since the backward. Then reduce as ``ZeroOptimizer`` does."""
         if self.stage == 2:
             while self._flags([0])[0] > 0:  # some rank is in a backward this one skipped
                 self._in_backward = True

@@ -34,18 +34,15 @@ from course_lib.parallel.sharding.zero_buckets import bucket_sizes  # noqa: F401
 # gradient (and, on gloo, a copy of it) until it is done: the peak grows by that per one in flight.
 MAX_IN_FLIGHT = 1
 
-# Optimizers whose update of one element depends only on that element's parameter, gradient and state (plus shared
-# scalars such as the step count): updating a flat slice gives bit for bit the update of the whole tensor. Those that
-# look at a whole tensor (LAMB's trust ratio, Adafactor's factored moments, LBFGS's line search) would change meaning.
-ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
-    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
-    torch.optim.RAdam, torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Rprop,
-)
+# Optimizers whose update of one element depends only on that element (plus shared scalars such as the step count):
+# a flat slice's update is bit for bit the whole tensor's. Those that look at a whole tensor (LAMB's trust ratio,
+# Adafactor's factored moments, LBFGS's line search) would change meaning.
+ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+                          torch.optim.RAdam, torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Rprop)
 
 
 class ZeroOptimizer:
     """ZeRO stage 1 or 2 around an element-wise optimizer, on every rank: ``zero_grad(); loss.backward(); step()``.
-
     The trainable parameters become views of one flat buffer cut into buckets (``zero_buckets``), synchronised
     from rank 0 here; buffers (BatchNorm's statistics) are not. The inner optimizer sees this rank's slice of
     each bucket, ``bucket.piece``. ``counter`` counts the bytes this rank sends (``collectives``' ring formulas).
@@ -75,11 +72,9 @@ class ZeroOptimizer:
     # ----- what the training loop calls --------------------------------------------------------------------------
 
     def zero_grad(self) -> None:
-        """Start a step's gradients.
-
-        Stage 1: every parameter's ``.grad`` is a zeroed view of one flat buffer, which autograd adds into (as DDP's
-        ``gradient_as_bucket_view``): the full gradient, held to the end of ``step``. Stage 2: no parameter ``.grad``
-        at all, only this rank's slices (zeroed, 1/N of the gradient); the hooks fill one bucket at a time.
+        """Start a step's gradients. Stage 1: every ``.grad`` a zeroed view of one flat buffer that autograd adds into
+        (as DDP's ``gradient_as_bucket_view``): the full gradient, held to the end of ``step``. Stage 2: no parameter
+        ``.grad`` at all, only this rank's slices (zeroed, 1/N of the gradient); the hooks fill one bucket at a time.
         """
         self._reduced = False
         self._new_backward()
@@ -88,9 +83,7 @@ class ZeroOptimizer:
             return
         for p in self.params:
             p.grad = None
-        for b in self.buckets:
-            if b.piece.grad is not None:
-                b.piece.grad.zero_()
+        self.optimizer.zero_grad(set_to_none=False)  # this rank's slices, kept (a sum over micro-batches)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -105,19 +98,16 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Scale the averaged gradient to a global L2 norm of at most ``max_norm``; return the norm before.
-
-        Call it between the backward(s) and ``step``: only the optimizer sees the averaged gradient (stage 1 reduce-
-        scatters here; torch's ``clip_grad_norm_`` on the model would clip each rank's own). Every element lies in one
-        rank's slice (the padding is zero): the squared norm is the sum over ranks of the slices', one all-reduce.
-        """
+        """Scale the averaged gradient to a global L2 norm of at most ``max_norm``; return the norm before. Call it
+        between the backward(s) and ``step``: only the optimizer sees the averaged gradient (stage 1 reduce-scatters
+        here; torch's ``clip_grad_norm_`` on the model would clip each rank's own). Every element lies in one rank's
+        slice (the padding is zero): the squared norm is the sum over ranks of the slices', one all-reduce."""
         if not max_norm > 0:
             raise ValueError(f"max_norm must be positive, got {max_norm!r}")
         self._reduce_gradients()
         grads = [b.piece.grad for b in self.buckets if b.piece.grad is not None]
-        sq = torch.zeros(1, dtype=torch.float64, device=self.flat_params.device)
-        for g in grads:
-            sq += g.double().pow(2).sum()
+        sq = torch.zeros(1, dtype=torch.float64, device=self.flat_params.device) + sum(g.double().pow(2).sum()
+                                                                                        for g in grads)
         comm.all_reduce(sq, counter=self.counter)  # the sum of every rank's slices
         norm = sq.sqrt().to(self.flat_params.dtype)
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
@@ -172,11 +162,9 @@ class ZeroOptimizer:
         bucket, out, _, work = self._pending.popleft()
         work.wait()
         out.div_(self.world)  # the mean over ranks, as DDP: the gradient of the whole batch's mean loss
-        piece = bucket.piece
-        piece.grad = out if piece.grad is None else piece.grad.add_(out)  # accumulation: a sum of means
+        bucket.piece.grad = out if bucket.piece.grad is None else bucket.piece.grad.add_(out)  # a sum of means
 
-    def _begin_backward(self) -> None:
-        """Have ``_end_backward`` run when this backward ends."""
+    def _begin_backward(self) -> None:  # have ``_end_backward`` run when this backward ends
         self._in_backward = True
         # No public API runs code at the end of a backward; DDP and FSDP2 queue their own callbacks this same way.
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -193,8 +181,7 @@ class ZeroOptimizer:
         raise RuntimeError(f"a gradient of parameter {i} arrived twice in one backward: it takes part in the backward "
                            "twice (reentrant checkpointing?); use torch.utils.checkpoint with use_reentrant=False")
 
-    def _new_backward(self) -> None:
-        """Forget the last backward: no bucket filled, none sent, none in flight."""
+    def _new_backward(self) -> None:  # forget the last backward: no bucket filled, none sent, none in flight
         self._grads: list[torch.Tensor | None] = [None] * len(self.buckets)  # each bucket's while it fills
         self._arrived = [0] * len(self.buckets)  # per bucket: its parameters done in this backward
         self._done: set[int] = set()             # the parameters done in this backward
@@ -217,8 +204,8 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def _reduce_gradients(self) -> None:
-        """Stage 1, once per step: reduce-scatter the full gradient; each piece's ``.grad`` becomes its slice of
-        the mean. (Stage 2 did it during the backward.)"""
+        """Stage 1, once per step: reduce-scatter the full gradient into each piece's ``.grad``, its slice of the mean
+        (stage 2 did it during the backward)."""
         if self.stage == 2 or self._reduced:
             return
         grads = self._collect()
@@ -231,15 +218,11 @@ class ZeroOptimizer:
 
 
 def shard_bounds(numel: int, world_size: int, rank: int) -> tuple[int, int]:
-    """``[start, end)`` of rank ``rank``'s slice of a flat vector of ``numel`` elements.
-
-    Every rank gets ``ceil(numel / world_size)`` slots; the vector is padded to ``world_size`` times that, so the
-    last ranks' slices may hold fewer real elements (or none). Equal slots are what reduce-scatter and all-gather need.
-    """
-    if numel < 0 or world_size < 1:
-        raise ValueError(f"need numel >= 0 and world_size >= 1, got numel={numel}, world_size={world_size}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    """``[start, end)`` of rank ``rank``'s slice of a flat vector of ``numel`` elements. Every rank gets
+    ``ceil(numel / world_size)`` slots (equal slots: what reduce-scatter and all-gather need); the vector is padded
+    to ``world_size`` times that, so the last ranks' slices may hold fewer real elements (or none)."""
+    if numel < 0 or world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"need numel >= 0 and 0 <= rank < world_size: got {numel=}, {world_size=}, {rank=}")
     size = math.ceil(numel / world_size)
     start = min(rank * size, numel)
     return start, min(start + size, numel)
@@ -254,7 +237,7 @@ def zero_bytes_per_rank(num_params: float, world_size: int, stage: int, param_by
     """
     def part(p: float, g: float, o: float) -> float:
         return memory.zero_memory(num_params, world_size, stage, o, param_bytes=p, grad_bytes=g)
-    return {"params": part(param_bytes, 0, 0), "grads": part(0, grad_bytes, 0), 
+    return {"params": part(param_bytes, 0, 0), "grads": part(0, grad_bytes, 0),
             "optimizer": part(0, 0, optimizer_bytes)}
 
 
@@ -270,13 +253,8 @@ def shard_fsdp2(model: TinyTransformer, reshard_after_forward: bool = True,
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    kwargs: dict = {"reshard_after_forward": reshard_after_forward}
-    for name, policy, kind in (("mp_policy", mp_policy, MixedPrecisionPolicy),
-                               ("offload_policy", offload_policy, OffloadPolicy)):
-        if policy is not None:
-            if not isinstance(policy, kind):
-                raise ValueError(f"{name} must be a {kind.__name__}, got {type(policy).__name__}")
-            kwargs[name] = policy
+    kwargs = {"reshard_after_forward": reshard_after_forward, "mp_policy": mp_policy or MixedPrecisionPolicy(),
+              "offload_policy": offload_policy or OffloadPolicy()}  # fully_shard's own defaults
     for part in [model.embed, *model.blocks, model.head]:
         fully_shard(part, **kwargs)
     fully_shard(model, **kwargs)
@@ -284,21 +262,16 @@ def shard_fsdp2(model: TinyTransformer, reshard_after_forward: bool = True,
 
 
 def _check_arguments(model: nn.Module, optimizer_cls: type, stage: int, max_in_flight: int) -> list[nn.Parameter]:
-    """``ZeroOptimizer``'s arguments, each checked with a clear error; returns the model's trainable parameters."""
+    """``ZeroOptimizer``'s arguments, checked; returns the model's trainable parameters."""
     if stage not in (1, 2):
-        raise ValueError(f"ZeroOptimizer implements stages 1 and 2, got {stage}; stage 3 shards the "
-                         "parameters as well: use torch.distributed.fsdp.fully_shard (chapter 09)")
+        raise ValueError(f"ZeroOptimizer has stages 1 and 2, got {stage}; for stage 3 use fsdp.fully_shard")
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, ELEMENTWISE_OPTIMIZERS)):
-        names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
-        raise ValueError(f"optimizer_cls must be an element-wise torch optimizer class ({names}); got "
-                         f"{optimizer_cls!r}. Flat shards would change the meaning of per-tensor optimizers.")
+        raise ValueError(f"{optimizer_cls!r} is not an element-wise optimizer: flat slices would change its meaning")
     if not (isinstance(max_in_flight, int) and max_in_flight >= 0):
-        raise ValueError(f"max_in_flight must be an int >= 0 (0: wait for each reduce-scatter), got {max_in_flight!r}")
+        raise ValueError(f"max_in_flight must be an int >= 0, got {max_in_flight!r}")
     if not dist.is_initialized():
         raise RuntimeError("ZeroOptimizer needs a process group: call torch.distributed.init_process_group first")
     params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
-        raise ValueError("the model has no trainable parameters")
-    if len({p.dtype for p in params}) > 1 or len({p.device for p in params}) > 1:
-        raise ValueError("all parameters must share one dtype and device for the flat buffer")
+    if not params or len({(p.dtype, p.device) for p in params}) > 1:
+        raise ValueError("the flat buffer needs trainable parameters, all of one dtype and device")
     return params

@@ -1,16 +1,13 @@
 """ZeroOptimizer's flat layout: which parameters share which bucket, and each rank's shard (chapter 09).
 
-Every trainable parameter becomes a view into one flat buffer. The buffer is cut
-into buckets as DDP's gradients are (``ddp.assign_buckets``): the parameters in
-reverse order, the order in which the backward produces their gradients, at most
-``bucket_cap_mb`` per bucket. Each bucket is padded to a multiple of N, the number
-of ranks, so that it splits into N equal slices ("slots" elements each); rank r owns
-slice r of every bucket (``zero.shard_bounds``, bucket by bucket). Equal slices are
-what reduce-scatter and all-gather need.
+Every trainable parameter becomes a view into one flat buffer, cut into buckets as DDP's gradients are
+(``ddp.assign_buckets``): the parameters in reverse order, the order the backward produces their gradients, at
+most ``bucket_cap_mb`` per bucket. Each bucket is padded to a multiple of N, the number of ranks, so that it
+splits into N equal slices ("slots" elements each), what reduce-scatter and all-gather need; rank r owns slice r
+of every bucket (``zero.shard_bounds``, bucket by bucket).
 
-What it costs: at most N-1 padding elements per bucket (they get zero gradients
-and zero updates), and one collective per bucket in each reduce-scatter and
-all-gather, so small buckets mean many collectives, each with a fixed overhead.
+What it costs: at most N-1 padding elements per bucket (zero gradients, zero updates), and one collective per
+bucket in each reduce-scatter and all-gather: small buckets mean many collectives, each with a fixed overhead.
 Why buckets at all: stage 2 can send one bucket while the backward fills the next.
 """
 
@@ -83,11 +80,8 @@ class FlatLayout:
 
     @torch.no_grad()
     def flatten(self) -> torch.Tensor:
-        """A new flat buffer holding the parameters' values; each parameter becomes a view of it.
-
-        The model keeps working unchanged: its tensors are the same objects, only
-        their storage moved. Costs one copy of the parameters, once.
-        """
+        """A new flat buffer holding the parameters' values; each parameter becomes a view of it. The model keeps
+        working unchanged (the same tensors, their storage moved). Costs one copy of the parameters, once."""
         first = self.params[0]
         flat = torch.zeros(self.numel, dtype=first.dtype, device=first.device)
         for i, p in enumerate(self.params):
@@ -96,11 +90,8 @@ class FlatLayout:
         return flat
 
     def cut_pieces(self, flat: torch.Tensor, rank: int) -> list[nn.Parameter]:
-        """Give every bucket its ``piece``, rank ``rank``'s slice of ``flat``, and return them.
-
-        The pieces are views: an optimizer that updates them in place writes
-        straight into the model's weights (this rank's slice of them).
-        """
+        """Give every bucket its ``piece``, rank ``rank``'s slice of ``flat``, and return them: views, so an optimizer
+        that updates them in place writes straight into the model's weights (this rank's slice of them)."""
         for b in self.buckets:
             b.piece = nn.Parameter(b.shard(flat, rank))
         return [b.piece for b in self.buckets]
