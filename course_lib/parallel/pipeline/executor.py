@@ -232,13 +232,10 @@ def run_stage(stage: nn.Module | Sequence[nn.Module], schedule: Schedule, rank: 
         kind, i, c = op[0], op[1], (op[2] if len(op) == 3 else 0)
         at_end = c * world + rank == world * v - 1    # the last virtual stage computes the loss
         if kind == "F":
-            if c * world + rank == 0:
-                mail.exchange(k, outgoing)
-                x = inputs[i].to(device)
-            else:                                     # wait (idle) for the previous stage
-                x = torch.empty(shapes[c][0], dtype=shapes[c][1], device=device)
-                mail.exchange(k, outgoing, into=x)
-                x.requires_grad_((i, c) in wants_grad)
+            first = c * world + rank == 0                 # the first virtual stage reads the input
+            x = None if first else torch.empty(shapes[c][0], dtype=shapes[c][1], device=device)
+            mail.exchange(k, outgoing, into=x)            # wait (idle) for the previous stage
+            x = inputs[i].to(device) if first else x.requires_grad_((i, c) in wants_grad)
             with watch.op(kind, i, c), torch.set_grad_enabled(trains), \
                     recording_activations(chunks[c]) if split else contextlib.nullcontext(set()) as activations:
                 y = chunks[c](x)

@@ -114,7 +114,8 @@ def one_f_one_b_step(pipe: Pipe, m: int, inputs: Sequence[torch.Tensor] | None =
     # 1. warm-up: p - s - 1 forwards, just enough that the first gradient comes back when the pipe is full
     warmup = min(pipe.world - pipe.rank - 1, m)
     for i in range(warmup):
-        exchange(pipe, send_y=fwd(i, exchange(pipe, recv_x=True)[0]))
+        x, _ = exchange(pipe, recv_x=True)
+        exchange(pipe, send_y=fwd(i, x))
     # 2. steady: one forward (the newest micro-batch), one backward (the oldest); at most warmup + 1 kept
     steady = m - warmup
     x = exchange(pipe, recv_x=True)[0] if steady > 0 else None
@@ -126,5 +127,6 @@ def one_f_one_b_step(pipe: Pipe, m: int, inputs: Sequence[torch.Tensor] | None =
     # 3. cool-down: the warm-up's micro-batches, backward only, draining the pipe
     for _ in range(warmup):
         x_old, y_old = kept.pop(0)
-        exchange(pipe, send_dx=backward(x_old, y_old, exchange(pipe, grad_of=y_old)[1]))
+        _, grad = exchange(pipe, grad_of=y_old)
+        exchange(pipe, send_dx=backward(x_old, y_old, grad))
     return [loss.item() * m for loss in losses]

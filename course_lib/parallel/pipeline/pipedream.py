@@ -124,13 +124,9 @@ def run_pipedream(stage: nn.Module, stash: WeightStash, rank: int, world: int, n
     watch.begin()
     for k, (op, i) in enumerate(schedule[rank]):
         if op == "F":
-            if first:
-                mail.exchange(k, outgoing)
-                x = inputs[i].to(device)
-            else:
-                x = torch.empty(in_shape[0], dtype=in_shape[1], device=device)
-                mail.exchange(k, outgoing, into=x)
-                x.requires_grad_()
+            x = None if first else torch.empty(in_shape[0], dtype=in_shape[1], device=device)
+            mail.exchange(k, outgoing, into=x)    # wait (idle) for the previous stage
+            x = inputs[i].to(device) if first else x.requires_grad_()
             with watch.op(op, i, 0):
                 w = stash.weights(i)              # this micro-batch's copy of the live weights
                 y = stage(x) if w is None else torch.func.functional_call(stage, w, (x,))

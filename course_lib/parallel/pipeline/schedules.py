@@ -271,9 +271,7 @@ def simulate(schedule: Schedule, t_forward: float = 1.0, t_backward: float = 2.0
                 timings.append(OpTiming(s, op, i, start, clock[s], c))
                 nxt[s] += 1
                 progress = True
-    stuck = [s for s in range(p) if nxt[s] < len(schedule[s])]
-    if stuck:
-        s = stuck[0]
+    for s in (s for s in range(p) if nxt[s] < len(schedule[s])):
         raise ValueError(f"the schedule deadlocks: stage {s} waits forever at {schedule[s][nxt[s]]} "
                          "(an op is ordered before an op it depends on)")
     makespan = max(clock)
