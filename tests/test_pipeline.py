@@ -13,12 +13,14 @@ from torch import nn
 
 from course_lib.experiments.clock import CpuClock, CudaClock, clock_for
 from course_lib.tools import plots
-from course_lib.parallel.pipeline.pipedream import WeightStash, async_order, stash_formula, versions
+from course_lib.parallel.pipeline.pipedream import async_order, stash_formula, versions
+from course_lib.experiments.pipedream_runs import CountedStash
 from course_lib.parallel.pipeline.schedules import (KINDS, OpTiming, bubble_formula, check_schedule, inflight_counts,
                                              interleaved_order, make_schedule, one_f_one_b_order, simulate,
                                              zb_h1_bubble_formula)
-from course_lib.parallel.pipeline.executor import boundary_shapes, run_stage, split_sequential
-from course_lib.parallel.pipeline.messages import message_batches, op_links, peak_sends_held, send_releases
+from course_lib.parallel.pipeline.executor import (boundary_shapes, message_batches, op_links, run_stage,
+                                                   send_releases, split_sequential)
+from course_lib.experiments.pipeline_steps import peak_sends_held
 from course_lib.experiments.pipeline_meter import OpCounter, metered_stage
 from course_lib.experiments.pipeline_model import add_model_args, my_chunks, op_pads, staged
 from course_lib.models import lm_loss
@@ -414,7 +416,7 @@ def test_pipedream_versions_staleness_and_stash():
 def _two_stashed_forwards(stash: bool):
     torch.manual_seed(0)
     layer = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))   # the second weight is saved for backward
-    ws = WeightStash(layer, torch.optim.SGD(layer.parameters(), lr=0.5), stash=stash)
+    ws = CountedStash(layer, torch.optim.SGD(layer.parameters(), lr=0.5), stash=stash)
     xs = [torch.randn(4, 3) for _ in range(2)]
     outs = []
     for i, x in enumerate(xs):                                  # two forwards in flight, as on stage 0 of 2

@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 from course_lib.parallel.pipeline.schedules import check_schedule, frozen_prefix, inflight_counts, make_schedule, simulate
-from course_lib.parallel.pipeline.messages import op_links, peak_sends_held, send_releases
+from course_lib.experiments.pipeline_freeze import CountedCache
+from course_lib.experiments.pipeline_steps import peak_sends_held
+from course_lib.parallel.pipeline.executor import op_links, send_releases
 from course_lib.parallel.pipeline.freeze import (ActivationCache, freeze, frozen_schedule, progressive_freeze,
                                                     repack, simulate_repacked)
 from course_lib.models import TinyTransformer, lm_loss
@@ -112,7 +114,7 @@ def test_activation_cache_runs_the_prefix_once_per_sample():
     model = _model()
     prefix = nn.Sequential(*list(model.as_sequential())[:2])
     x = torch.randint(0, 64, (6, 16))
-    cache = ActivationCache(prefix, num_samples=6)
+    cache = CountedCache(prefix, num_samples=6)
     calls = collections.Counter()
     prefix.register_forward_hook(lambda mod, inp, out: calls.update(samples=inp[0].shape[0]))
     for _epoch in range(3):
@@ -122,7 +124,7 @@ def test_activation_cache_runs_the_prefix_once_per_sample():
     assert calls["samples"] == 6 + 18                    # 6 by the cache (first epoch), 18 by the check above
     assert cache.computed == 6 and cache.hits == 12
     assert cache.nbytes == 6 * 16 * 32 * 4               # samples x sequence x d_model x fp32 bytes
-    partial = ActivationCache(prefix, num_samples=4)
+    partial = CountedCache(prefix, num_samples=4)
     partial.get(torch.tensor([0, 1]), x[:2])
     partial.get(torch.tensor([1, 2]), x[1:3])            # sample 1 cached, sample 2 new
     assert (partial.computed, partial.hits) == (3, 1)

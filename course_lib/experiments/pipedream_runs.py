@@ -17,10 +17,10 @@ import torch.distributed as dist
 from course_lib.data import make_tokens
 from course_lib.experiments.clock import CpuClock
 from course_lib.experiments.pipeline_meter import Meter, StageRun, gather_step, metered_stage
-from course_lib.experiments.pipeline_model import tiny_model, tokens
+from course_lib.experiments.pipeline_model import micro_batches, tiny_model, tokens
 from course_lib.experiments.results import WorkerResult, gather_on_first
 from course_lib.models import lm_loss
-from course_lib.parallel.pipeline.executor import boundary_shapes, micro_batches, split_sequential
+from course_lib.parallel.pipeline.executor import boundary_shapes, split_sequential
 from course_lib.parallel.pipeline.pipedream import WeightStash, run_pipedream
 from course_lib.parallel.pipeline.schedules import make_schedule
 
@@ -53,6 +53,27 @@ class TimedRun(WorkerResult):
     timings: list[tuple[int, str, int, float, float]] = field(default_factory=list)
 
 
+class CountedStash(WeightStash):
+    """A ``WeightStash`` that records what it costs: copies and bytes stashed at once, and each update's versions."""
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, stash: bool = True):
+        super().__init__(module, optimizer, stash)
+        self.peak_copies = self.peak_bytes = 0
+        self.used: list[tuple[int, int, int]] = []   # (micro-batch, forward version, update version)
+
+    def weights(self, i: int) -> dict[str, torch.Tensor] | None:
+        copy = super().weights(i)
+        if copy is not None:
+            self.peak_copies = max(self.peak_copies, len(self.copies))
+            self.peak_bytes = max(self.peak_bytes, sum(t.nbytes for _, c in self.copies.values() for t in c.values()))
+        return copy
+
+    def apply(self, i: int) -> int:
+        version = super().apply(i)
+        self.used.append((i, version, self.version - 1))
+        return version
+
+
 def _stage(a: argparse.Namespace, n: int, seed: int, rank: int, world: int) -> tuple:
     """This rank's stage of the seeded model, its input's shape, ``n`` micro-batches (xs, ys), the model, its stages."""
     model = tiny_model(a, world, seed)
@@ -69,7 +90,7 @@ def train_seed(a: argparse.Namespace, n: int, seed: int, rank: int, world: int) 
     stage, shape, xs, ys, model, pieces = _stage(a, n, seed, rank, world)
     reference = copy.deepcopy(model)
     x_eval, y_eval = make_tokens(64, a.seq_len, vocab=a.vocab, seed=10_000 + seed)
-    stash = WeightStash(stage, torch.optim.Adam(stage.parameters(), lr=a.lr))
+    stash = CountedStash(stage, torch.optim.Adam(stage.parameters(), lr=a.lr))
     dist.barrier()
     losses = run_pipedream(stage, stash, rank, world, n, shape, inputs=xs, targets=ys, loss_fn=lm_loss)
     got = gather_on_first({"losses": losses, "used": stash.used, "peak_copies": stash.peak_copies,

@@ -27,6 +27,19 @@ from course_lib.parallel.pipeline.freeze import ActivationCache, frozen_schedule
 from course_lib.parallel.pipeline.schedules import make_schedule, simulate
 
 
+class CountedCache(ActivationCache):
+    """An ``ActivationCache`` that counts the samples its prefix ran on (``computed``) and those it served (``hits``)."""
+
+    def __init__(self, prefix: nn.Module, num_samples: int):
+        super().__init__(prefix, num_samples)
+        self.computed = self.hits = 0
+
+    def get(self, index: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        new = int((~self.filled[torch.as_tensor(index, dtype=torch.long)]).sum())   # host: indexes the host mask
+        self.computed, self.hits = self.computed + new, self.hits + len(index) - new
+        return super().get(index, x)
+
+
 @dataclass
 class FreezeRun(WorkerResult):
     """Rank 0's figures of ``freeze_steps``, the frozen and the repacked steps (times in seconds)."""
@@ -119,7 +132,7 @@ def freeze_steps(a: argparse.Namespace, k: int, m: int, repeats: int, rank: int,
         new_shapes = boundary_shapes(active, prefix(ref.xs[0]))
     cache = None
     if local == 0:                               # the replica's first stage holds the prefix's outputs
-        cache = ActivationCache(prefix.to(device), num_samples=m_r * mbs)
+        cache = CountedCache(prefix.to(device), num_samples=m_r * mbs)
     scale = max(plan.layers_per_stage) / per_old  # a stage's ops take as long as its layers
     pad_r = op_pads(a, scale=scale)
     flat_bytes = sum(p.numel() * p.element_size() for p in new_mod.parameters())

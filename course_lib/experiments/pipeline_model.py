@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from course_lib.data import make_tokens
-from course_lib.parallel.pipeline.executor import micro_batches, split_sequential
+from course_lib.parallel.pipeline.executor import split_sequential
 from course_lib.env import seed_everything
 from course_lib.models import TinyTransformer, lm_loss
 
@@ -56,6 +56,11 @@ def op_pads(a: argparse.Namespace, split: bool = False, scale: float = 1.0) -> d
         return None
     t_f, t_b = a.t_forward_ms / 1e3, a.t_backward_ms / 1e3
     return {op: scale * t for op, t in {"F": t_f, "B": t_b / (2 if split else 1), "W": t_b / 2}.items()}
+
+
+def micro_batches(x: torch.Tensor, m: int) -> list[torch.Tensor]:
+    """``x`` cut into ``m`` micro-batches, separate tensors as a data loader hands them out (not views of ``x``)."""
+    return [c.clone() for c in x.chunk(m)]
 
 
 def my_chunks(pieces: list, rank: int, world: int, v: int) -> list:

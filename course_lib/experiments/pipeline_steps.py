@@ -20,10 +20,10 @@ import torch.distributed as dist
 
 from course_lib.experiments.clock import Clock
 from course_lib.parallel.pipeline.gpipe_1f1b import Pipe, gpipe_step, one_f_one_b_step
-from course_lib.parallel.pipeline.schedules import bubble_formula, make_schedule, simulate, zb_h1_bubble_formula
+from course_lib.parallel.pipeline.schedules import (Schedule, bubble_formula, frozen_prefix, make_schedule, num_chunks,
+                                                    simulate, zb_h1_bubble_formula)
 from course_lib.experiments.pipeline_meter import gather_step, grad_diff, metered_stage
-from course_lib.parallel.pipeline.executor import boundary_shapes
-from course_lib.parallel.pipeline.messages import peak_sends_held
+from course_lib.parallel.pipeline.executor import boundary_shapes, op_links, send_releases
 from course_lib.experiments.pipeline_model import my_chunks, op_pads, staged
 from course_lib.experiments.results import WorkerResult, gather_on_first
 from course_lib.models import lm_loss
@@ -45,7 +45,7 @@ class HandmadeRun(WorkerResult):
     peak_inflight_simulated: list[float]
     peak_activation_bytes: list[int]        # per stage
     peak_sends_held: list[int]              # per stage: sent tensors kept alive at once
-    peak_sends_bound: list[int]             # per stage: what the schedule allows (messages.peak_sends_held)
+    peak_sends_bound: list[int]             # per stage: what the schedule allows (``peak_sends_held``)
     sent_messages: int                      # all ranks' point-to-point messages
     sent_bytes: int
     chunks: int
@@ -82,6 +82,21 @@ class StraightRun(WorkerResult):
     grad_max_abs_diff: float                # every stage's gradients against the sequential model's
     loss_abs_diff: float                    # the mean of the micro-batches' losses against the whole batch's
     loss: float
+
+
+def peak_sends_held(schedule: Schedule, rank: int) -> int:
+    """The most sent tensors ``rank`` keeps alive at once under ``executor.send_releases``: the schedule's bound.
+
+    1F1B (``p >= 2``): ``min(p, m)`` on stage 0 (its warm-up's activations) and
+    ``min(p - s + 1, m)`` on a later stage ``s`` (its cool-down's gradients),
+    whatever ``m`` (chapter 08 checks this for p = 2..8, m = 1..24); GPipe: ``m``.
+    """
+    world, v, frozen = len(schedule), num_chunks(schedule), frozen_prefix(schedule)
+    rel = send_releases(schedule, rank)
+    sends = [k for k, o in enumerate(schedule[rank]) if op_links(o, rank, world, v, frozen)[1]]
+    # before op r: every send up to op r - 1 that op r's receive (or a later one) has not yet proven delivered
+    return max([0] + [sum(1 for j in sends if j < r and (rel[j] is None or rel[j] >= r))
+                      for r in range(1, len(schedule[rank]) + 1)])
 
 
 def straight_step(a: argparse.Namespace, kind: str, m: int, rank: int, world: int,

@@ -3,13 +3,12 @@
 ``run_stage`` walks this rank's op list from ``schedules.make_schedule``. ``("F", i)`` receives micro-batch ``i``'s
 activation (the first stage reads the input), runs the stage keeping its graph and sends the output on (the last
 stage computes the loss); ``("B", i)`` receives the output's gradient, back-propagates and sends the input's gradient
-back; ``("W", i)`` (zero bubble) computes the weight gradients that its ``B`` left for later (``split_backward``);
-``("F", i, c)`` (interleaved) runs model chunk ``c``, virtual stage ``c p + rank``. ``gpipe_1f1b`` writes two of
-these schedules out as straight lines; this loop plays any of them.
+back; ``("W", i)`` (zero bubble) computes the weight gradients its ``B`` left (``split_backward``); ``("F", i, c)``
+(interleaved) runs model chunk ``c``, virtual stage ``c p + rank``. ``gpipe_1f1b`` writes out two of these.
 
-Between two ops a rank posts one batch of messages (``messages.message_batches``): the send of the op just finished
-and the receive of the next. It waits only for the receive, so a schedule the simulator can play cannot deadlock
-here, and it keeps each sent tensor only until a later message proves that the peer has it (``send_releases``).
+Between two ops a rank posts one batch of messages (``message_batches``): the send of the op just finished and the
+receive of the next. It waits only for the receive, so a schedule the simulator can play cannot deadlock here, and
+it keeps each sent tensor only until a later message proves that the peer has it (``send_releases``).
 
 A stage whose order holds no backward (a frozen prefix, ``freeze``) keeps no graph, and a received activation asks
 for a gradient only if the schedule sends one back. ``Watch`` is where the experiments plug in their instruments.
@@ -25,13 +24,13 @@ import torch
 from torch import nn
 
 from course_lib.parallel import collectives as comm
-from course_lib.parallel.pipeline.messages import message_batches, op_links, send_releases
 from course_lib.parallel.pipeline.schedules import Schedule, check_schedule, frozen_prefix, num_chunks
 from course_lib.parallel.pipeline.split_backward import (WeightGrads, backward_input, backward_weight,
                                                          recording_activations)
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Shape = tuple[tuple[int, ...], torch.dtype]
+Link = tuple[int, int]                                 # (peer rank, tag) of one message
 
 
 def split_sequential(model: nn.Sequential, num_stages: int) -> list[nn.Sequential]:
@@ -45,17 +44,8 @@ def split_sequential(model: nn.Sequential, num_stages: int) -> list[nn.Sequentia
         raise ValueError(f"cannot cut {len(layers)} modules into {num_stages} stages: "
                          f"choose 1 <= num_stages <= {len(layers)} (or give the model more layers)")
     base, extra = divmod(len(layers), num_stages)
-    pieces, start = [], 0
-    for s in range(num_stages):
-        size = base + (1 if s < extra else 0)          # the first stages take one more
-        pieces.append(nn.Sequential(*layers[start:start + size]))
-        start += size
-    return pieces
-
-
-def micro_batches(x: torch.Tensor, m: int) -> list[torch.Tensor]:
-    """``x`` cut into ``m`` micro-batches, separate tensors as a data loader hands them out (not views of ``x``)."""
-    return [c.clone() for c in x.chunk(m)]
+    bounds = [s * base + min(s, extra) for s in range(num_stages + 1)]   # the first stages take one more
+    return [nn.Sequential(*layers[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
 @torch.no_grad()
@@ -70,6 +60,65 @@ def boundary_shapes(stages: Sequence[nn.Module], sample: torch.Tensor) -> list[S
         shapes.append((tuple(x.shape), x.dtype))
         x = stage(x)
     return shapes
+
+
+# ----------------------------------------------------------------------------- who sends what to whom, and when
+
+def op_links(op: tuple, rank: int, world: int, chunks: int = 1,
+             frozen: int = 0) -> tuple[Link | None, Link | None]:
+    """What one op receives before it runs and sends after: ``(recv, send)``, ``None`` where it has none.
+
+    ``chunks = v``: the op's chunk ``c`` is virtual stage ``c p + rank`` of ``p v``. ``frozen``: the first stages
+    run forwards only (``schedules.frozen_prefix``); the first trainable one sends no gradient. One tag per
+    (micro-batch, direction, receiving chunk): with one chunk, ``2 i + backward``.
+    """
+    kind, i, c = op[0], op[1], (op[2] if len(op) == 3 else 0)
+    if kind == "W":
+        return None, None                        # the weight gradient stays on the rank
+    vs, last, bw = c * world + rank, world * chunks - 1, kind == "B"
+
+    def link(other: int, receiver: int) -> Link:  # a message with virtual stage ``other``
+        return other % world, (2 * i + bw) * chunks + receiver // world
+
+    if kind == "F":                              # activations flow forward
+        return (None if vs == 0 else link(vs - 1, vs)), (None if vs == last else link(vs + 1, vs + 1))
+    return (None if vs == last else link(vs + 1, vs)), (None if vs <= frozen else link(vs - 1, vs - 1))  # back
+
+
+def message_batches(order: Sequence[tuple], rank: int, world: int,
+                    chunks: int = 1, frozen: int = 0) -> list[tuple[list[Link], list[Link]]]:
+    """The ``(sends, recvs)`` a rank posts together between ops: batch ``k`` holds op ``k - 1``'s send and op
+    ``k``'s receive (the last, ``k = len(order)``, only the last op's send).
+
+    One batch is one ``dist.batch_isend_irecv``: in 1F1B's steady state a rank sends an activation to the next rank
+    and receives a gradient from it, and NCCL runs such a pair only as one group (posted one by one, both ranks
+    would sit in their send). The sends leave exactly when they did one by one.
+    """
+    links = [(None, None)] + [op_links(op, rank, world, chunks, frozen) for op in order] + [(None, None)]
+    return [([send] if send else [], [recv] if recv else []) for (_, send), (recv, _) in zip(links, links[1:])]
+
+
+def send_releases(schedule: Schedule, rank: int) -> list[int | None]:
+    """For each op of ``rank`` that sends: the first later op whose receive proves the peer has the message.
+
+    The peer takes our message before it runs the op that consumes it; any message it sends us from a later op of
+    its order arrives after that, so once we have received it, our send is complete and its tensor can go.
+    ``None``: no such op (released at the end of the step), or the op sends nothing.
+    """
+    world, v, frozen = len(schedule), num_chunks(schedule), frozen_prefix(schedule)
+    links = [[op_links(o, q, world, v, frozen) for o in schedule[q]] for q in range(world)]
+    # where each message (receiver, tag, sender) is consumed and produced, as positions in the ranks' orders
+    consumed = {(q, r[1], r[0]): j for q in range(world) for j, (r, _) in enumerate(links[q]) if r}
+    produced = {(q, s[1], s[0]): j for q in range(world) for j, (_, s) in enumerate(links[q]) if s}
+    out: list[int | None] = []
+    for k, (_, send) in enumerate(links[rank]):
+        release = None
+        if send is not None:
+            took = consumed[(send[0], send[1], rank)]           # the peer's op that receives our message
+            release = next((r for r in range(k + 1, len(links[rank])) if (recv := links[rank][r][0]) is not None
+                            and recv[0] == send[0] and produced[(send[0], recv[1], rank)] > took), None)
+        out.append(release)
+    return out
 
 
 class Watch:
@@ -95,16 +144,6 @@ class Watch:
 
     def finish(self) -> None:                                     # the last message has left
         pass
-
-
-@dataclass
-class MicroBatch:
-    """One micro-batch on one model chunk, from its forward until its backward has freed its graph."""
-
-    x: torch.Tensor                                # what entered the chunk (its gradient goes back)
-    out: torch.Tensor                              # what left it; on the last virtual stage its loss / m
-    activations: set = field(default_factory=set)  # split backward: the forward's activation nodes, for B
-    weight_grads: WeightGrads | None = None        # split backward: what B left for W
 
 
 class Mailbox:
@@ -141,6 +180,16 @@ class Mailbox:
             ex.wait()
 
 
+@dataclass
+class MicroBatch:
+    """One micro-batch on one model chunk, from its forward until its backward has freed its graph."""
+
+    x: torch.Tensor                                # what entered the chunk (its gradient goes back)
+    out: torch.Tensor                              # what left it; on the last virtual stage its loss / m
+    activations: set = field(default_factory=set)  # split backward: the forward's activation nodes, for B
+    weight_grads: WeightGrads | None = None        # split backward: what B left for W
+
+
 def run_stage(stage: nn.Module | Sequence[nn.Module], schedule: Schedule, rank: int, in_shape: Shape | Sequence[Shape],
               inputs: Sequence[torch.Tensor] | None = None, targets: Sequence[torch.Tensor] | None = None,
               loss_fn: LossFn | None = None, device: torch.device | str = "cpu", ranks: Sequence[int] | None = None,
@@ -155,24 +204,23 @@ def run_stage(stage: nn.Module | Sequence[nn.Module], schedule: Schedule, rank: 
     """
     world, m, split = check_schedule(schedule)
     v, order = num_chunks(schedule), [tuple(o) for o in schedule[rank]]
-    if ranks is not None and len(ranks) != world:
-        raise ValueError(f"ranks names the process of each of the {world} stages; got {list(ranks)}")
     chunks = list(stage) if isinstance(stage, (list, tuple)) else [stage]
     shapes = list(in_shape) if v > 1 else [in_shape]
     if len(chunks) != v or len(shapes) != v:
         raise ValueError(f"the schedule has {v} model chunks per rank: pass {v} modules and {v} input shapes")
     if v > 1 and world < 2:
         raise ValueError("interleaving needs at least 2 ranks (a micro-batch goes round them v times)")
+    if ranks is not None and len(ranks) != world:
+        raise ValueError(f"ranks names the process of each of the {world} stages; got {list(ranks)}")
     if rank == 0 and (inputs is None or len(inputs) != m):
         raise ValueError(f"the first stage needs one input per micro-batch ({m})")
     if rank == world - 1 and (targets is None or loss_fn is None or len(targets) != m):
         raise ValueError(f"the last stage needs loss_fn and one target per micro-batch ({m})")
     watch = watch or Watch()
     trains = any(o[0] != "F" for o in order)          # forwards only (frozen): no graph, nothing kept
-    frozen = frozen_prefix(schedule)
     # the inputs whose gradient someone waits for: their backward sends one back
     wants_grad = {(o[1], o[2] if len(o) == 3 else 0) for o in order
-                  if o[0] == "B" and op_links(o, rank, world, v, frozen)[1] is not None}
+                  if o[0] == "B" and op_links(o, rank, world, v, frozen_prefix(schedule))[1] is not None}
     params = [list(ch.parameters()) for ch in chunks]
     mail = Mailbox(schedule, rank, ranks, watch)
     inflight: dict[tuple[int, int], MicroBatch] = {}   # (micro-batch, chunk) -> its record until freed
@@ -184,14 +232,10 @@ def run_stage(stage: nn.Module | Sequence[nn.Module], schedule: Schedule, rank: 
         kind, i, c = op[0], op[1], (op[2] if len(op) == 3 else 0)
         at_end = c * world + rank == world * v - 1    # the last virtual stage computes the loss
         if kind == "F":
-            if c * world + rank == 0:
-                mail.exchange(k, outgoing)
-                x = inputs[i].to(device)
-            else:                                     # wait (idle) for the previous stage
-                shape, dtype = shapes[c]
-                x = torch.empty(shape, dtype=dtype, device=device)
-                mail.exchange(k, outgoing, into=x)
-                x.requires_grad_((i, c) in wants_grad)
+            first = c * world + rank == 0                 # the first virtual stage reads the input
+            x = None if first else torch.empty(shapes[c][0], dtype=shapes[c][1], device=device)
+            mail.exchange(k, outgoing, into=x)            # wait (idle) for the previous stage
+            x = inputs[i].to(device) if first else x.requires_grad_((i, c) in wants_grad)
             with watch.op(kind, i, c), torch.set_grad_enabled(trains), \
                     recording_activations(chunks[c]) if split else contextlib.nullcontext(set()) as activations:
                 y = chunks[c](x)

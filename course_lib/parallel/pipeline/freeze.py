@@ -139,8 +139,6 @@ class ActivationCache:
         self.prefix, self.num_samples = prefix, num_samples
         self.store: torch.Tensor | None = None          # (num_samples, *output shape), made at the first call
         self.filled = torch.zeros(num_samples, dtype=torch.bool)  # host: bookkeeping of sample indices
-        self.computed = 0                               # samples the prefix ran on
-        self.hits = 0                                   # samples served from the cache
 
     @torch.no_grad()
     def get(self, index: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -152,8 +150,6 @@ class ActivationCache:
                 self.store = torch.empty((self.num_samples, *out.shape[1:]), dtype=out.dtype, device=out.device)
             self.store[index[miss].to(out.device)] = out
             self.filled[index[miss]] = True
-            self.computed += int(miss.sum())
-        self.hits += int((~miss).sum())
         return self.store[index.to(self.store.device)].clone()   # a copy: the caller may send or modify it
 
     @property

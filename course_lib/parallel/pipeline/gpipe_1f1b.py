@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from course_lib.parallel import collectives as comm
@@ -46,62 +45,26 @@ class Pipe:
         return self.rank == self.world - 1
 
 
-# ----------------------------------------------------------------------------- the four messages
+def exchange(pipe: Pipe, send_y: torch.Tensor | None = None, send_dx: torch.Tensor | None = None,
+             recv_x: bool = False, grad_of: torch.Tensor | None = None) -> tuple[torch.Tensor | None, ...]:
+    """Post one batch of messages with the neighbours and wait for it; return ``(x, grad)`` received.
 
-def recv_forward(pipe: Pipe) -> torch.Tensor | None:
-    """The activation from the previous rank (the receive buffer is allocated first: its shape is known)."""
-    if pipe.first:
-        return None
-    x = torch.empty(pipe.in_shape, dtype=pipe.dtype, device=pipe.device)
-    dist.recv(x, pipe.rank - 1)
-    return x.requires_grad_()                     # we send its gradient back
-
-
-def send_forward(pipe: Pipe, y: torch.Tensor) -> None:
-    """Our output to the next rank (the last rank sends nothing on: it holds the loss)."""
-    if not pipe.last:
-        dist.send(y.detach().contiguous(), pipe.rank + 1)
-
-
-def recv_backward(pipe: Pipe, y: torch.Tensor) -> torch.Tensor | None:
-    """The gradient of our output ``y`` from the next rank; ``None`` on the last rank (the loss starts it)."""
-    if pipe.last:
-        return None
-    grad = torch.empty_like(y)
-    dist.recv(grad, pipe.rank + 1)
-    return grad
-
-
-def send_backward(pipe: Pipe, dx: torch.Tensor | None) -> None:
-    """The gradient of our input back to the previous rank (rank 0's input is data: nothing goes back)."""
-    if not pipe.first:
-        dist.send(dx.contiguous(), pipe.rank - 1)
-
-
-def send_forward_recv_backward(pipe: Pipe, y: torch.Tensor, y_old: torch.Tensor) -> torch.Tensor | None:
-    """Send ``y`` on and receive the gradient of the older output ``y_old``, as ONE batch of messages.
-
-    In the steady state two neighbours each send to the other before receiving: posted one by one, both sit in
-    their send (NCCL's and gloo's sends wait for the receiver). One ``batch_isend_irecv`` moves both directions.
+    Sends our output ``send_y`` on and our input's gradient ``send_dx`` back; receives (``recv_x``) the next
+    activation from ``s - 1`` and (``grad_of``) the gradient of that output from ``s + 1``. What has no neighbour
+    is skipped: rank 0 reads data and sends no gradient back, the last rank starts from its loss. One batch: in
+    the steady state two neighbours each send to the other before receiving; posted one by one, both would sit in
+    their send (NCCL's and gloo's sends wait for the receiver). ``batch_isend_irecv`` moves both directions.
     """
-    if pipe.last:
-        return None
-    grad = torch.empty_like(y_old)
-    comm.exchange([comm.Message(y.detach().contiguous(), pipe.rank + 1)],
-                  [comm.Message(grad, pipe.rank + 1)]).wait()
-    return grad
+    prev, nxt = pipe.rank - 1, pipe.rank + 1
+    sends = ([comm.Message(send_y.detach().contiguous(), nxt)] if send_y is not None and not pipe.last else []) + \
+        ([comm.Message(send_dx.contiguous(), prev)] if send_dx is not None and not pipe.first else [])
+    # receive buffers are allocated first: their shapes are known (our input, our output)
+    x = torch.empty(pipe.in_shape, dtype=pipe.dtype, device=pipe.device) if recv_x and not pipe.first else None
+    grad = torch.empty_like(grad_of) if grad_of is not None and not pipe.last else None
+    recvs = ([comm.Message(x, prev)] if x is not None else []) + ([comm.Message(grad, nxt)] if grad is not None else [])
+    comm.exchange(sends, recvs).wait()
+    return (None if x is None else x.requires_grad_()), grad   # x: we send its gradient back
 
-
-def send_backward_recv_forward(pipe: Pipe, dx: torch.Tensor | None) -> torch.Tensor | None:
-    """Send the input's gradient back and receive the next activation, as one batch (the mirror image)."""
-    if pipe.first:
-        return None
-    x = torch.empty(pipe.in_shape, dtype=pipe.dtype, device=pipe.device)
-    comm.exchange([comm.Message(dx.contiguous(), pipe.rank - 1)], [comm.Message(x, pipe.rank - 1)]).wait()
-    return x.requires_grad_()
-
-
-# ----------------------------------------------------------------------------- compute
 
 def forward(pipe: Pipe, i: int, x: torch.Tensor | None, inputs: Sequence[torch.Tensor] | None,
             targets: Sequence[torch.Tensor] | None, m: int) -> torch.Tensor:
@@ -117,22 +80,21 @@ def backward(x: torch.Tensor | None, y: torch.Tensor, grad: torch.Tensor | None)
     return None if x is None else x.grad
 
 
-# ----------------------------------------------------------------------------- the two schedules
-
 def gpipe_step(pipe: Pipe, m: int, inputs: Sequence[torch.Tensor] | None = None,
                targets: Sequence[torch.Tensor] | None = None) -> list[float]:
     """All forwards, then all backwards; rank 0 passes the ``m`` micro-batches, the last rank their targets.
     Returns the last rank's ``m`` losses (``[]`` elsewhere)."""
     kept = []                                     # (input, output) of every micro-batch: all m at once
     for i in range(m):
-        x = recv_forward(pipe)
+        x, _ = exchange(pipe, recv_x=True)
         y = forward(pipe, i, x, inputs, targets, m)
-        send_forward(pipe, y)
+        exchange(pipe, send_y=y)
         kept.append((x, y))
     losses = [y.detach() for _, y in kept] if pipe.last else []
     for i in range(m):                            # backwards in the same order: micro-batch 0 first
         x, y = kept[i]
-        send_backward(pipe, backward(x, y, recv_backward(pipe, y)))
+        _, grad = exchange(pipe, grad_of=y)
+        exchange(pipe, send_dx=backward(x, y, grad))
         kept[i] = None                            # drop the graph once used
     return [loss.item() * m for loss in losses]   # one host sync, at the end
 
@@ -152,21 +114,19 @@ def one_f_one_b_step(pipe: Pipe, m: int, inputs: Sequence[torch.Tensor] | None =
     # 1. warm-up: p - s - 1 forwards, just enough that the first gradient comes back when the pipe is full
     warmup = min(pipe.world - pipe.rank - 1, m)
     for i in range(warmup):
-        send_forward(pipe, fwd(i, recv_forward(pipe)))
+        x, _ = exchange(pipe, recv_x=True)
+        exchange(pipe, send_y=fwd(i, x))
     # 2. steady: one forward (the newest micro-batch), one backward (the oldest); at most warmup + 1 kept
     steady = m - warmup
-    x = recv_forward(pipe) if steady > 0 else None
+    x = exchange(pipe, recv_x=True)[0] if steady > 0 else None
     for j in range(steady):
         y = fwd(warmup + j, x)
-        grad = send_forward_recv_backward(pipe, y, kept[0][1])
-        x_old, y_old = kept.pop(0)
-        dx = backward(x_old, y_old, grad)
-        if j < steady - 1:
-            x = send_backward_recv_forward(pipe, dx)   # the gradient back, the next activation in
-        else:
-            send_backward(pipe, dx)                    # no forward left to receive
+        _, grad = exchange(pipe, send_y=y, grad_of=kept[0][1])    # our output on, the oldest's gradient in
+        dx = backward(*kept.pop(0), grad)
+        x, _ = exchange(pipe, send_dx=dx, recv_x=j < steady - 1)  # its gradient back, the next activation in
     # 3. cool-down: the warm-up's micro-batches, backward only, draining the pipe
     for _ in range(warmup):
         x_old, y_old = kept.pop(0)
-        send_backward(pipe, backward(x_old, y_old, recv_backward(pipe, y_old)))
+        _, grad = exchange(pipe, grad_of=y_old)
+        exchange(pipe, send_dx=backward(x_old, y_old, grad))
     return [loss.item() * m for loss in losses]

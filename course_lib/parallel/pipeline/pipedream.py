@@ -82,31 +82,25 @@ class WeightStash:
     module: nn.Module
     optimizer: torch.optim.Optimizer
     stash: bool = True
-    version: int = 0
-    copies: dict[int, tuple[int, dict[str, torch.Tensor]]] = field(default_factory=dict)
-    peak_copies: int = 0
-    peak_bytes: int = 0
-    used: list[tuple[int, int, int]] = field(default_factory=list)  # (micro-batch, forward version, update version)
+    version: int = 0                                      # updates applied so far
+    copies: dict[int, tuple[int, dict[str, torch.Tensor]]] = field(default_factory=dict)  # i -> (version, weights)
 
     def weights(self, i: int) -> dict[str, torch.Tensor] | None:
-        if not self.stash:
-            self.copies[i] = (self.version, {})
-            return None
-        copy = {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in self.module.named_parameters()}
+        named = self.module.named_parameters() if self.stash else ()
+        copy = {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in named}
         self.copies[i] = (self.version, copy)
-        self.peak_copies = max(self.peak_copies, len(self.copies))
-        self.peak_bytes = max(self.peak_bytes, sum(t.nbytes for _, c in self.copies.values() for t in c.values()))
-        return copy
+        return copy if self.stash else None
 
-    def apply(self, i: int) -> None:
+    def apply(self, i: int) -> int:
+        """Micro-batch ``i``'s update; returns the version its forward used."""
         version, copy = self.copies.pop(i)
         for name, p in self.module.named_parameters():
             if copy:
                 p.grad = copy[name].grad                  # the gradient at the stashed version ...
         self.optimizer.step()                             # ... applied to the newest weights
         self.optimizer.zero_grad(set_to_none=True)
-        self.used.append((i, version, self.version))
         self.version += 1
+        return version
 
 
 def run_pipedream(stage: nn.Module, stash: WeightStash, rank: int, world: int, n: int, in_shape: Shape,
@@ -130,13 +124,9 @@ def run_pipedream(stage: nn.Module, stash: WeightStash, rank: int, world: int, n
     watch.begin()
     for k, (op, i) in enumerate(schedule[rank]):
         if op == "F":
-            if first:
-                mail.exchange(k, outgoing)
-                x = inputs[i].to(device)
-            else:
-                x = torch.empty(in_shape[0], dtype=in_shape[1], device=device)
-                mail.exchange(k, outgoing, into=x)
-                x.requires_grad_()
+            x = None if first else torch.empty(in_shape[0], dtype=in_shape[1], device=device)
+            mail.exchange(k, outgoing, into=x)    # wait (idle) for the previous stage
+            x = inputs[i].to(device) if first else x.requires_grad_()
             with watch.op(op, i, 0):
                 w = stash.weights(i)              # this micro-batch's copy of the live weights
                 y = stage(x) if w is None else torch.func.functional_call(stage, w, (x,))

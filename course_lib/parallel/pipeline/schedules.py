@@ -67,20 +67,17 @@ def zero_bubble_h1_order(num_stages: int, num_microbatches: int, stage: int) -> 
     stages keep more ``W`` in reserve to fill the cool-down. Every stage holds ``min(p, m)`` micro-batches (1F1B's
     first stage's most), and with ``t_F = t_B = t_W`` the idle time falls to a third of 1F1B's.
     """
-    base = one_f_one_b_order(num_stages, num_microbatches, stage)
     # Postponing by s backwards fills the cool-down exactly when t_F = t_B = t_W
     # (the simulator checks: idle time (p - 1) t_F per stage, for m >= p).
-    lag = stage
     order: list[Op] = []
     backwards: list[int] = []
-    for op, i in base:
+    for op, i in one_f_one_b_order(num_stages, num_microbatches, stage):
         order.append((op, i))
         if op == "B":
             backwards.append(i)
-            if len(backwards) > lag:
-                order.append(("W", backwards[len(backwards) - 1 - lag]))
-    order += [("W", j) for j in backwards[max(0, len(backwards) - lag):]]   # flush the reserve
-    return order
+            if len(backwards) > stage:
+                order.append(("W", backwards[-1 - stage]))
+    return order + [("W", j) for j in backwards[max(0, len(backwards) - stage):]]   # flush the reserve
 
 
 def interleaved_order(num_stages: int, num_microbatches: int, stage: int, chunks: int = 2) -> list[Op]:
@@ -114,18 +111,15 @@ def interleaved_order(num_stages: int, num_microbatches: int, stage: int, chunks
     return order
 
 
-_ORDERS = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order, "zb-h1": zero_bubble_h1_order}
-
-
 def make_schedule(kind: str, num_stages: int, num_microbatches: int, chunks: int = 2) -> Schedule:
     """The per-stage op lists of a schedule: ``kind`` is ``"gpipe"``, ``"1f1b"``, ``"zb-h1"`` or
     ``"interleaved"`` (then ``chunks`` model chunks per device, and ops ``(op, micro-batch, chunk)``)."""
     if kind not in KINDS:
         raise ValueError(f"unknown schedule kind {kind!r}; choose one of {', '.join(KINDS)}")
     _check_sizes(num_stages, num_microbatches)
-    if kind == "interleaved":
-        return [interleaved_order(num_stages, num_microbatches, s, chunks) for s in range(num_stages)]
-    return [_ORDERS[kind](num_stages, num_microbatches, s) for s in range(num_stages)]
+    order = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order, "zb-h1": zero_bubble_h1_order,
+             "interleaved": lambda p, m, s: interleaved_order(p, m, s, chunks)}[kind]
+    return [order(num_stages, num_microbatches, s) for s in range(num_stages)]
 
 
 def bubble_formula(num_stages: int, num_microbatches: int, chunks: int = 1) -> float:
@@ -156,16 +150,10 @@ def num_chunks(schedule: Schedule) -> int:
     return 1 + max((_triple(o)[2] for order in schedule for o in order), default=0)
 
 
-def _forward_only(order: Sequence[Op]) -> bool:
-    return bool(order) and all(o[0] == "F" for o in order)
-
-
 def frozen_prefix(schedule: Schedule) -> int:
     """How many leading stages run forwards only: a frozen prefix, which needs no backward (``freeze``)."""
-    n = 0
-    while n < len(schedule) and _forward_only(schedule[n]):
-        n += 1
-    return n
+    forward_only = [bool(order) and all(o[0] == "F" for o in order) for order in schedule]
+    return (forward_only + [False]).index(False)
 
 
 def check_schedule(schedule: Schedule) -> tuple[int, int, bool]:
@@ -180,25 +168,20 @@ def check_schedule(schedule: Schedule) -> tuple[int, int, bool]:
             raise ValueError(f"stage {s}: ops must be (op, micro-batch) pairs, or (op, micro-batch, chunk) "
                              f"triples, with op in ('F', 'B', 'W') and integers >= 0; got {bad[:3]}")
     has_w = any(o[0] == "W" for order in schedule for o in order)
-    m = 1 + max((o[1] for order in schedule for o in order), default=-1)
-    v = num_chunks(schedule)
-    ops = ("F", "B", "W") if has_w else ("F", "B")
-    expected = sorted((op, i, c) for op in ops for i in range(m) for c in range(v))
-    frozen = frozen_prefix(schedule)
+    m, v, frozen = 1 + max((o[1] for order in schedule for o in order), default=-1), num_chunks(schedule), \
+        frozen_prefix(schedule)
     if frozen and (frozen == len(schedule) or v > 1):
         raise ValueError("a frozen prefix (stages that run forwards only) needs a trainable last stage and "
                          "one model chunk per stage")
+    ops = ("F", "B", "W") if has_w else ("F", "B")
     for s, order in enumerate(schedule):
         order = [_triple(o) for o in order]         # JSON gives lists; compare as tuples
-        if s < frozen:                              # frozen: every forward once, nothing else
-            if sorted(order) != [("F", i, 0) for i in range(m)]:
-                raise ValueError(f"frozen stage {s} must run each forward once for micro-batches 0..{m - 1}")
-            continue
+        expected = sorted((op, i, c) for op in (("F",) if s < frozen else ops) for i in range(m) for c in range(v))
         if sorted(order) != expected:
             missing = sorted(set(expected) - set(order))
             repeated = sorted({o for o in order if order.count(o) > 1})
-            raise ValueError(f"stage {s} must run each of {ops} once for micro-batches 0..{m - 1}"
-                             f"{f' and chunks 0..{v - 1}' if v > 1 else ''}; "
+            raise ValueError(f"{'frozen ' if s < frozen else ''}stage {s} must run each of {ops} once for "
+                             f"micro-batches 0..{m - 1}{f' and chunks 0..{v - 1}' if v > 1 else ''}; "
                              f"missing {missing[:4]}, repeated {repeated[:4]}")
     return len(schedule), m, has_w
 
@@ -207,7 +190,7 @@ def inflight_counts(order: Sequence[Op]) -> list[int]:
     """Micro-batches (chunks, when interleaved) whose activations one stage holds after each op: a forward stores
     them, its backward frees them (its ``W`` when split: the weight gradient still needs them). A frozen stage
     (forwards only) keeps none: its forwards run without a graph."""
-    if _forward_only(order):
+    if order and all(o[0] == "F" for o in order):
         return [0] * len(order)
     release = "W" if any(o[0] == "W" for o in order) else "B"
     counts, alive = [], 0
@@ -288,9 +271,7 @@ def simulate(schedule: Schedule, t_forward: float = 1.0, t_backward: float = 2.0
                 timings.append(OpTiming(s, op, i, start, clock[s], c))
                 nxt[s] += 1
                 progress = True
-    stuck = [s for s in range(p) if nxt[s] < len(schedule[s])]
-    if stuck:
-        s = stuck[0]
+    for s in (s for s in range(p) if nxt[s] < len(schedule[s])):
         raise ValueError(f"the schedule deadlocks: stage {s} waits forever at {schedule[s][nxt[s]]} "
                          "(an op is ordered before an op it depends on)")
     makespan = max(clock)

@@ -19,11 +19,11 @@ from __future__ import annotations
 import collections
 import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
-from torch.autograd.graph import GradientEdge, Node
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 
 @contextlib.contextmanager
@@ -48,54 +48,20 @@ def recording_activations(module: nn.Module) -> Iterator[set[Node]]:
 class WeightGrads:
     """What ``B`` leaves for ``W``: per weight-using node, the gradients that reached it and its weights."""
 
-    edges: list[list[GradientEdge]] = field(default_factory=list)    # the node's inputs (one per forward output)
+    edges: list[list[GradientEdge]] = field(default_factory=list)    # where gradients enter the node
     grads: list[list[torch.Tensor]] = field(default_factory=list)    # the gradient B computed at each
     params: list[list[torch.Tensor]] = field(default_factory=list)   # the weights the node leads to
 
 
-def _graph(root: Node) -> dict[Node, list[Node]]:
-    """Every node under ``root`` with the nodes it passes gradients to (its inputs' nodes)."""
-    below: dict[Node, list[Node]] = {}
-    todo = [root]
-    while todo:                                      # iterative: graphs can be deep
-        node = todo.pop()
-        if node not in below:
-            below[node] = [f for f, _ in node.next_functions if f is not None]
-            todo += below[node]
-    return below
-
-
-def _activation_side(below: dict[Node, list[Node]], activations: set[Node],
-                     params: Sequence[torch.Tensor]) -> set[Node]:
-    """The nodes that lead to an activation (or to an input that wants its gradient); the rest lead to weights."""
-    ids = {id(p) for p in params}
-    above: dict[Node, list[Node]] = collections.defaultdict(list)
-    for node, kids in below.items():
-        for kid in kids:
-            above[kid].append(node)
-    # a leaf that is no weight is a stage input that needs its gradient
-    todo = [n for n in below if n in activations or (hasattr(n, "variable") and id(n.variable) not in ids)]
-    side: set[Node] = set()
-    while todo:                                      # everything above an activation is activation side
-        node = todo.pop()
-        if node not in side:
-            side.add(node)
-            todo += above[node]
-    return side
-
-
-def _weights_below(node: Node, below: dict[Node, list[Node]], side: set[Node]) -> list[torch.Tensor]:
-    """The weights that ``node`` reaches through its weight-side inputs."""
-    found, seen = [], set()
-    todo = [f for f in below[node] if f not in side]
+def _reach(start: list[Node], step: Callable[[Node], list[Node]]) -> set[Node]:
+    """``start`` and every node reached from it by ``step`` (iterative: graphs can be deep)."""
+    seen, todo = set(), list(start)
     while todo:
-        f = todo.pop()
-        if f not in seen:
-            seen.add(f)
-            if hasattr(f, "variable"):
-                found.append(f.variable)
-            todo += below[f]
-    return found
+        node = todo.pop()
+        if node not in seen:
+            seen.add(node)
+            todo += step(node)
+    return seen
 
 
 def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor | None, activations: set[Node],
@@ -106,24 +72,38 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
     ``x`` is ``None`` (or needs no gradient) on the first stage, whose input is
     data. The graph is kept for ``W``.
     """
-    root = out.grad_fn
-    if root is None:
+    if out.grad_fn is None:
         raise ValueError("the stage's output has no autograd graph: run its forward with gradients enabled")
-    below = _graph(root)
-    side = _activation_side(below, activations, params)
-    # the weight-using nodes: activation side, with an input on the weight side
-    split = [n for n in side if any(f not in side for f in below[n])]
-    if root not in side:
-        split.append(root)                           # the whole stage is weight side (e.g. one layer on data)
-    owner: dict[int, int] = {}
+    root = out.grad_fn
+
+    def kids(node: Node) -> list[Node]:                          # the nodes it passes gradients to
+        return [f for f, _ in node.next_functions if f is not None]
+
+    below = {n: kids(n) for n in _reach([root], kids)}
+    above: dict[Node, list[Node]] = collections.defaultdict(list)
+    entries: dict[Node, dict[GradientEdge, None]] = collections.defaultdict(dict)   # where gradients enter a node
+    entries[root][get_gradient_edge(out)] = None
+    for node in below:
+        for f, k in node.next_functions:
+            if f is not None:
+                above[f].append(node)
+                entries[f][GradientEdge(f, k)] = None
+    # activation side: everything above an activation, or above an input that wants its gradient (a leaf that is
+    # no weight); the rest leads to weights only
+    ids = {id(p) for p in params}
+    side = _reach([n for n in below if n in activations or (hasattr(n, "variable") and id(n.variable) not in ids)],
+                  lambda n: above[n])
+    # the weight-using nodes: activation side with an input on the weight side (the root, if all is weight side)
+    split = [n for n in side if any(f not in side for f in below[n])] + ([root] if root not in side else [])
+    owner: dict[int, Node] = {}
     pending = WeightGrads()
     for node in split:
-        mine = _weights_below(node, below, side)
-        for p in mine:
-            if owner.setdefault(id(p), id(node)) != id(node):
-                raise ValueError("a weight is used by two ops of one micro-batch (a shared or reused layer): "
-                                 "the split backward would count its gradient twice; run this stage unsplit")
-        pending.edges.append([GradientEdge(node, k) for k in range(len(node._input_metadata))])
+        weight_side = _reach([f for f in below[node] if f not in side], lambda f: below[f])
+        mine = [f.variable for f in weight_side if hasattr(f, "variable")]
+        if any(owner.setdefault(id(p), node) is not node for p in mine):
+            raise ValueError("a weight is used by two ops of one micro-batch (a shared or reused layer): "
+                             "the split backward would count its gradient twice; run this stage unsplit")
+        pending.edges.append(list(entries[node]))
         pending.params.append(mine)
     wants_dx = x is not None and x.requires_grad
     targets: list = ([x] if wants_dx else []) + [e for edges in pending.edges for e in edges]

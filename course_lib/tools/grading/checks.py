@@ -128,8 +128,8 @@ def check_types(got: Any, want: Any, what: str = "the answer", numbers_alike: bo
     """Raise an ``AssertionError`` naming the first part of ``got`` whose type differs from ``want``'s.
 
     Lists and tuples are compared item by item as far as both go, dicts key by key (their keys must agree),
-    tensors by dtype and shape. ``what`` names ``got`` in the message, e.g. ``"one_f_one_b_stage(4, 6, 0)"``
-    gives "one_f_one_b_stage(4, 6, 0)[0] must be a tuple like ('F', 0); got a list ['F', 0]".
+    tensors by dtype and shape. ``what`` names ``got`` in the message, e.g. ``"one_f_one_b_order(4, 6, 0)"``
+    gives "one_f_one_b_order(4, 6, 0)[0] must be a tuple like ('F', 0); got a list ['F', 0]".
     ``numbers_alike=True`` lets an ``int`` stand for a ``float`` (as ``close`` does); ``bool`` never does.
     """
     found = _type_mismatch(got, want, what, numbers_alike)
