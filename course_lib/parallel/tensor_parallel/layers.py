@@ -40,10 +40,10 @@ class TPGroup:
     def rank(self) -> int:
         return dist.get_rank(self.group)  # the rank inside the group
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of ``x`` over the group, in a new tensor (autograd may still need ``x``)."""
+    def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+        """The sum (or ``op``) of ``x`` over the group, in a new tensor (autograd may still need ``x``)."""
         out = x.clone(memory_format=torch.contiguous_format)
-        comm.all_reduce(out, counter=self.counter, group=self.group)
+        comm.all_reduce(out, op, counter=self.counter, group=self.group)
         return out
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
