@@ -117,9 +117,8 @@ class Message(NamedTuple):
 class Exchange:
     """A batch of point-to-point messages in flight.
 
-    ``wait_received`` before reading the receive buffers, ``wait`` before
-    reusing the send buffers. On NCCL both return once the GPU stream waits
-    for the messages, before the data is there; work queued on the stream
+    ``wait_received`` before reading the receive buffers, ``wait`` before reusing the send buffers. On NCCL both
+    return once the GPU stream waits for the messages, before the data is there; work queued on the stream
     afterwards runs after it (time it with CUDA events, not the CPU clock).
     """
 
@@ -145,10 +144,9 @@ def exchange(sends: Sequence[Message], recvs: Sequence[Message],
              group: dist.ProcessGroup | None = None) -> Exchange:
     """Post ``sends`` and ``recvs`` together as one ``dist.batch_isend_irecv``; return what to wait for.
 
-    Posting a send and a receive to the same peer one after the other works on
-    gloo, whose sends do not wait, but hangs on NCCL, whose send waits for the
-    matching receive: both ranks would sit in their send. One batch is one NCCL
-    group, so both directions progress together.
+    Posting a send and a receive to the same peer one after the other works on gloo, whose sends do not wait, but
+    hangs on NCCL, whose send waits for the matching receive: both ranks would sit in their send. One batch is one
+    NCCL group, so both directions progress together.
     """
     ops = ([dist.P2POp(dist.isend, m.tensor, m.peer, group, m.tag) for m in sends]
            + [dist.P2POp(dist.irecv, m.tensor, m.peer, group, m.tag) for m in recvs])
@@ -163,12 +161,10 @@ def exchange(sends: Sequence[Message], recvs: Sequence[Message],
 def ring_all_reduce(t: torch.Tensor, counter: ByteCounter | None = None) -> torch.Tensor:
     """Sum ``t`` over all ranks in place with a ring of point-to-point sends; return ``t``.
 
-    The flat tensor is cut into N chunks. Reduce-scatter: for N-1 steps each
-    rank sends one chunk to its right neighbour and adds the chunk arriving
-    from its left; afterwards rank r holds the full sum of chunk (r+1) mod N.
-    All-gather: N-1 more steps pass the finished chunks around the ring. Every
-    rank sends 2(N-1) chunks, 2(N-1)/N x bytes(t), whatever N is.
-    ``counter`` counts the bytes each send really carries.
+    The flat tensor is cut into N chunks. Reduce-scatter: for N-1 steps each rank sends one chunk to its right
+    neighbour and adds the chunk arriving from its left; afterwards rank r holds the full sum of chunk (r+1) mod N.
+    All-gather: N-1 more steps pass the finished chunks around the ring. Every rank sends 2(N-1) chunks,
+    2(N-1)/N x bytes(t), whatever N is. ``counter`` counts the bytes each send really carries.
     """
     if not t.is_contiguous():
         raise ValueError("ring_all_reduce works in place on a contiguous tensor; pass t.contiguous()")

@@ -122,12 +122,10 @@ def group_load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor,
                               group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Switch's ``E * sum_i f_i P_i`` over the tokens of all of ``group``'s ranks; the gradient of this rank's.
 
-    ``probs``: this rank's ``(T_r, E)`` router softmax; ``first_choice``: its
-    ``(T_r,)`` first-choice expert ids. The value is ``moe.load_balancing_loss``
-    on all the group's tokens (computed in at least float32). The gradient
-    reaches this rank's router through this rank's ``P_i`` sums only; summed
-    over the group's ranks it is the one-process gradient (``f_i`` carries
-    none, as in one process).
+    ``probs``: this rank's ``(T_r, E)`` router softmax; ``first_choice``: its ``(T_r,)`` first-choice expert ids.
+    The value is ``moe.load_balancing_loss`` on all the group's tokens (computed in at least float32). The gradient
+    reaches this rank's router through this rank's ``P_i`` sums only; summed over the group's ranks it is the
+    one-process gradient (``f_i`` carries none, as in one process).
     """
     n_experts = probs.shape[-1]
     # at least float32: in bf16 a count above 256 is no longer a whole number

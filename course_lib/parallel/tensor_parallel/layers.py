@@ -204,25 +204,20 @@ class TPBlock(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-def replicated_params(module: nn.Module) -> list[nn.Parameter]:
-    """Parameters every rank holds whole: all but the split weights (and split biases) of the parallel linears."""
-    split = {id(m.weight) for m in module.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
-    split |= {id(m.bias) for m in module.modules() if isinstance(m, ColumnParallelLinear) and m.bias is not None}
-    return [p for p in module.parameters() if id(p) not in split]
-
-
 def sync_replicated_grads(module: nn.Module, tp: TPGroup, counter: comm.ByteCounter | None = None) -> None:
     """Sum the replicated parameters' gradients over ``tp`` under sequence parallelism, in one message.
 
     Without sequence parallelism every rank saw the whole sequence: those gradients are complete and equal on every
     rank already, and a sum would multiply them by t. Then this does nothing.
     """
-    modes = {m.sequence_parallel for m in module.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
-    if len(modes) > 1:
+    linears = [m for m in module.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    if len({m.sequence_parallel for m in linears}) > 1:
         raise ValueError("the module mixes sequence-parallel and plain tensor-parallel layers: the replicated "
                          "gradients of the two parts need different treatment; sync each part on its own")
-    params = [p for p in replicated_params(module) if p.grad is not None]
-    if modes != {True} or not params:
+    # replicated: all but the linears' split weights and the column-parallel (split) biases
+    split = {id(m.weight) for m in linears} | {id(m.bias) for m in linears if isinstance(m, ColumnParallelLinear)}
+    params = [p for p in module.parameters() if id(p) not in split and p.grad is not None]
+    if not (params and linears and linears[0].sequence_parallel):
         return
     flat = torch.cat([p.grad.reshape(-1) for p in params])
     comm.all_reduce(flat, counter=counter, group=tp.group)
