@@ -71,8 +71,7 @@ class Conjugate(torch.autograd.Function):
     """``op(x)`` forward, ``conjugate(grad)`` backward: a collective and its transpose, as one autograd step.
 
     Megatron's f is (identity, all-reduce) and g the reverse; sequence parallelism's pair is (all-gather,
-    reduce-scatter) and the reverse. The gradient of a copy is the sum of its copies' gradients; the gradient
-    of a sum with respect to each term is the sum's gradient.
+    reduce-scatter) and the reverse.
     """
 
     @staticmethod
