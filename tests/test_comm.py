@@ -71,6 +71,16 @@ def test_ring_factor_and_counter():
     assert c.bytes == 0 and not c.by_op
 
 
+def test_count_adds_what_the_ring_sends(monkeypatch):
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    comm.count(None, "all_reduce", torch.zeros(4))  # no counter: nothing to add to
+    c = comm.ByteCounter()
+    comm.count(c, "all_gather", torch.zeros(6, dtype=torch.float64))
+    comm.count(c, "all_reduce", torch.zeros(6, dtype=torch.float64))
+    assert c.by_op == {"all_gather": 3 / 4 * 48, "all_reduce": 2 * 3 / 4 * 48}
+    assert c.calls == {"all_gather": 1, "all_reduce": 1}
+
+
 # ----- in this process, with spies ---------------------------------------------------
 
 

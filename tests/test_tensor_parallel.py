@@ -22,7 +22,8 @@ from course_lib.parallel.tensor_parallel import costs as tp_costs
 from course_lib.experiments.run_config import RunConfig, build_model
 from course_lib.experiments.tp_meters import saved_bytes_in
 from course_lib.models import CausalSelfAttention
-from course_lib.parallel.tensor_parallel.layers import ColumnParallelLinear, TPBlock, TPGroup, sync_replicated_grads
+from course_lib.parallel.tensor_parallel.layers import (ColumnParallelLinear, Conjugate, TPBlock, TPGroup,
+                                                        sync_replicated_grads)
 from course_lib.parallel.tensor_parallel.vocab_parallel import (VocabParallelEmbedding, vocab_parallel_cross_entropy,
                                                                 vocab_range)
 from course_lib.experiments.workers.tp_compare import TPReport
@@ -68,6 +69,14 @@ def test_contiguous_qkv_rows_are_whole_heads() -> None:
         attn.zero_grad()
     with pytest.raises(ValueError, match="divisible"):
         CausalSelfAttention(8, 3, 6)
+
+
+def test_conjugate_runs_one_function_forward_and_the_other_backward() -> None:
+    """f, g and sequence parallelism's pair are each one ``Conjugate``: a collective forward, its conjugate backward."""
+    x = torch.ones(3, requires_grad=True)
+    y = Conjugate.apply(x, lambda t: 2 * t, lambda g: 3 * g)
+    y.sum().backward()
+    assert torch.equal(y, torch.full((3,), 2.0)) and torch.equal(x.grad, torch.full((3,), 3.0))
 
 
 def test_paper_formulas() -> None:

@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 
 from course_lib.parallel import collectives as comm
-from course_lib.parallel.collectives import ByteCounter, nbytes, ring_factor
-from course_lib.parallel.expert_parallel.moe_layer import ExpertParallelMoE
+from course_lib.parallel.collectives import ByteCounter, nbytes
+from course_lib.parallel.expert_parallel.moe_layer import ExpertParallelMoE, expert_dp_groups
 from course_lib.experiments.results import gather_per_rank, max_over_ranks
-from course_lib.moe import MoEMLP
+from course_lib.moe import MoEMLP, queue_lengths
 
 
 @dataclass
@@ -83,7 +83,7 @@ def counted(counter: ByteCounter) -> Iterator[ByteCounter]:
         return original_a2a(out, inp, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
 
     def all_reduce(t, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        counter.add("all_reduce", ring_factor("all_reduce", dist.get_world_size(group)) * nbytes(t))
+        comm.count(counter, "all_reduce", t, group)
         return original_ar(t, op=op, group=group, async_op=async_op)
 
     dist.all_to_all_single, dist.all_reduce = all_to_all_single, all_reduce
@@ -93,10 +93,29 @@ def counted(counter: ByteCounter) -> Iterator[ByteCounter]:
         dist.all_to_all_single, dist.all_reduce = original_a2a, original_ar
 
 
+def expert_process_groups(ep: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's EP and DP process groups of ``expert_dp_groups``; every rank makes every group, in the same order,
+    as ``new_group`` requires."""
+    ep_groups, dp_groups = expert_dp_groups(dist.get_world_size(), ep)
+    made_ep, made_dp = [dist.new_group(g) for g in ep_groups], [dist.new_group(g) for g in dp_groups]
+    return made_ep[dist.get_rank() // ep], made_dp[dist.get_rank() % ep]
+
+
+def dispatch_splits(layer: ExpertParallelMoE, ep_group: dist.ProcessGroup) -> tuple[list[int], list[int]]:
+    """The rows of the last forward's dispatch, per EP peer: ``(sent to each, received from each)``, from the routing
+    of every rank of the group (gathered here, outside the layer and its counted collectives)."""
+    r, per = layer.routing, layer.per
+    kept = torch.tensor([min(q, r.capacity) for q in queue_lengths(r)], device=r.probs.device)  # rows sent each expert
+    every = [torch.empty_like(kept) for _ in range(layer.ep)]
+    dist.all_gather(every, kept, group=ep_group)
+    send = [int(kept[q * per:(q + 1) * per].sum()) for q in range(layer.ep)]
+    return send, [int(k[layer.shard * per:(layer.shard + 1) * per].sum()) for k in every]
+
+
 def run_layer(ep_group: dist.ProcessGroup, dp_group: dist.ProcessGroup, k: int, capacity_factor: float,
               a2a: str = "by_hand", *, experts: int, d_model: int, hidden: int, tokens: int, seed: int = 0) -> EPRun:
     """The EP layer of ``experts`` experts on this rank's ``tokens`` tokens, against the one-process layer on all of
-    them. ``ep_group``, ``dp_group``: this rank's (``expert_parallel.expert_process_groups``)."""
+    them. ``ep_group``, ``dp_group``: this rank's (``expert_process_groups``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     ep = dist.get_world_size(ep_group)
     dp = world // ep
@@ -129,7 +148,7 @@ def run_layer(ep_group: dist.ProcessGroup, dp_group: dist.ProcessGroup, k: int, 
     expert_diff = max(_diff(p.grad, q.grad) for i, m in enumerate(layer.experts)
                       for p, q in zip(m.parameters(), full.experts[first + i].parameters()))
     r = layer.routing
-    send, recv, me = layer.send_splits, layer.recv_splits, layer.shard
+    (send, recv), me = dispatch_splits(layer, ep_group), layer.shard
     off = [sum(send) - send[me], sum(recv) - recv[me]]  # rows that left this rank, rows that came from others
     return EPRun(
         ep=ep, dp=dp, k=k, a2a=a2a, capacity_factor=capacity_factor, tokens_per_rank=tokens,

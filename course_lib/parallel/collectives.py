@@ -1,18 +1,16 @@
 """Collectives that count the bytes they send (chapters 07-10 and 12).
 
-Each wrapper forwards to ``torch.distributed`` and adds to a ``ByteCounter`` the bytes *this rank* sends
+Each wrapper forwards to ``torch.distributed`` and, given a ``ByteCounter``, adds the bytes *this rank* sends
 under the ring algorithm (Patarasuk & Yuan 2009), for a tensor of ``B`` bytes on ``N`` ranks:
 
 - all-reduce:                 2 (N-1)/N x B   (a reduce-scatter, then an all-gather)
 - reduce-scatter, all-gather:   (N-1)/N x B   (B = the full tensor; each rank keeps, or brings, 1/N)
 - broadcast:                    (N-1)/N x B   (a chain: N-1 links carry B; averaged over the N ranks)
-- all-to-all:                   the rows sent to other ranks (uneven splits; chapter 12's experts)
 
 So an all-reduce costs about twice the gradient per rank whatever N is: the reason data parallelism scales.
 The counts are the algorithm's, not what gloo happens to run; ``ring_all_reduce`` is the ring by hand, whose
 real sends match the formula. ``exchange`` posts point-to-point messages as one batch, as NCCL needs.
 """
-
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -20,9 +18,6 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
-
-ReduceOp = dist.ReduceOp
-
 
 @dataclass
 class ByteCounter:
@@ -56,13 +51,15 @@ def ring_factor(op: str, world: int) -> float:
     return per[op] * (world - 1) / world
 
 
-def collective(name: str, older: str) -> Callable:
-    """``torch.distributed.<name>``, or ``<older>`` on a torch that does not have the newer name yet.
+def count(counter: ByteCounter | None, op: str, t: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+    """Add to ``counter`` (if any) what ``op`` on the full tensor ``t`` sends per rank: ``ring_factor`` x bytes."""
+    if counter is not None:
+        counter.add(op, ring_factor(op, dist.get_world_size(group)) * nbytes(t))
 
-    torch 2.14 calls the flat-tensor reduce-scatter and all-gather ``reduce_scatter_single`` and
-    ``all_gather_single``; earlier releases (and a hosted notebook's own torch) ``reduce_scatter_tensor``
-    and ``all_gather_into_tensor``.
-    """
+
+def collective(name: str, older: str) -> Callable:
+    """``dist.<name>``, or ``dist.<older>`` on an older torch (a hosted notebook's own): torch 2.14 renamed the
+    flat-tensor ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` to ``*_single``."""
     fn = getattr(dist, name, None) or getattr(dist, older, None)
     if fn is None:
         raise RuntimeError(f"this torch ({torch.__version__}) has neither dist.{name} nor dist.{older}; "
@@ -70,15 +67,14 @@ def collective(name: str, older: str) -> Callable:
     return fn
 
 
-def all_reduce(t: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM, counter: ByteCounter | None = None,
+def all_reduce(t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, counter: ByteCounter | None = None,
                group: dist.ProcessGroup | None = None, async_op: bool = False):
     """``dist.all_reduce`` in place, counting 2(N-1)/N x bytes(t)."""
-    if counter is not None:
-        counter.add("all_reduce", ring_factor("all_reduce", dist.get_world_size(group)) * nbytes(t))
+    count(counter, "all_reduce", t, group)
     return dist.all_reduce(t, op=op, group=group, async_op=async_op)
 
 
-def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM,
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
                    counter: ByteCounter | None = None, group: dist.ProcessGroup | None = None,
                    async_op: bool = False):
     """Reduce the full flat ``inp`` over ranks; this rank keeps shard ``rank`` in ``out`` (numel = inp/N)."""
@@ -86,8 +82,7 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: ReduceOp.RedOpType 
     if inp.numel() != world * out.numel():
         raise ValueError(f"reduce_scatter: input has {inp.numel()} elements, expected world size {world} x "
                          f"output {out.numel()} = {world * out.numel()}; pad the flat tensor to a multiple of {world}")
-    if counter is not None:
-        counter.add("reduce_scatter", ring_factor("reduce_scatter", world) * nbytes(inp))
+    count(counter, "reduce_scatter", inp, group)
     return collective("reduce_scatter_single", "reduce_scatter_tensor")(out, inp, op=op, group=group,
                                                                          async_op=async_op)
 
@@ -99,28 +94,15 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, counter: ByteCounter | None
     if out.numel() != world * inp.numel():
         raise ValueError(f"all_gather: output has {out.numel()} elements, expected world size {world} x "
                          f"input {inp.numel()} = {world * inp.numel()}")
-    if counter is not None:
-        counter.add("all_gather", ring_factor("all_gather", world) * nbytes(out))
+    count(counter, "all_gather", out, group)
     return collective("all_gather_single", "all_gather_into_tensor")(out, inp, group=group, async_op=async_op)
 
 
 def broadcast(t: torch.Tensor, src: int, counter: ByteCounter | None = None,
               group: dist.ProcessGroup | None = None, async_op: bool = False):
     """``dist.broadcast`` from global rank ``src``, counting (N-1)/N x bytes(t)."""
-    if counter is not None:
-        counter.add("broadcast", ring_factor("broadcast", dist.get_world_size(group)) * nbytes(t))
+    count(counter, "broadcast", t, group)
     return dist.broadcast(t, src, group=group, async_op=async_op)
-
-
-def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
-               counter: ByteCounter | None = None, group: dist.ProcessGroup | None = None,
-               op: str = "all_to_all") -> None:
-    """``dist.all_to_all_single`` with uneven row splits; ``counter`` adds (as ``op``) the bytes sent to *other*
-    ranks (the rows a rank keeps for itself never leave it)."""
-    if counter is not None:
-        row = nbytes(inp[0]) if inp.shape[0] else 0
-        counter.add(op, row * (sum(in_splits) - in_splits[dist.get_rank(group)]))
-    dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
 
 
 class Message(NamedTuple):
@@ -135,9 +117,8 @@ class Message(NamedTuple):
 class Exchange:
     """A batch of point-to-point messages in flight.
 
-    ``wait_received`` before reading the receive buffers, ``wait`` before
-    reusing the send buffers. On NCCL both return once the GPU stream waits
-    for the messages, before the data is there; work queued on the stream
+    ``wait_received`` before reading the receive buffers, ``wait`` before reusing the send buffers. On NCCL both
+    return once the GPU stream waits for the messages, before the data is there; work queued on the stream
     afterwards runs after it (time it with CUDA events, not the CPU clock).
     """
 
@@ -163,10 +144,9 @@ def exchange(sends: Sequence[Message], recvs: Sequence[Message],
              group: dist.ProcessGroup | None = None) -> Exchange:
     """Post ``sends`` and ``recvs`` together as one ``dist.batch_isend_irecv``; return what to wait for.
 
-    Posting a send and a receive to the same peer one after the other works on
-    gloo, whose sends do not wait, but hangs on NCCL, whose send waits for the
-    matching receive: both ranks would sit in their send. One batch is one NCCL
-    group, so both directions progress together.
+    Posting a send and a receive to the same peer one after the other works on gloo, whose sends do not wait, but
+    hangs on NCCL, whose send waits for the matching receive: both ranks would sit in their send. One batch is one
+    NCCL group, so both directions progress together.
     """
     ops = ([dist.P2POp(dist.isend, m.tensor, m.peer, group, m.tag) for m in sends]
            + [dist.P2POp(dist.irecv, m.tensor, m.peer, group, m.tag) for m in recvs])
@@ -181,38 +161,31 @@ def exchange(sends: Sequence[Message], recvs: Sequence[Message],
 def ring_all_reduce(t: torch.Tensor, counter: ByteCounter | None = None) -> torch.Tensor:
     """Sum ``t`` over all ranks in place with a ring of point-to-point sends; return ``t``.
 
-    The flat tensor is cut into N chunks. Reduce-scatter: for N-1 steps each
-    rank sends one chunk to its right neighbour and adds the chunk arriving
-    from its left; afterwards rank r holds the full sum of chunk (r+1) mod N.
-    All-gather: N-1 more steps pass the finished chunks around the ring. Every
-    rank sends 2(N-1) chunks, 2(N-1)/N x bytes(t), whatever N is.
-    ``counter`` counts the bytes each send really carries.
+    The flat tensor is cut into N chunks. Reduce-scatter: for N-1 steps each rank sends one chunk to its right
+    neighbour and adds the chunk arriving from its left; afterwards rank r holds the full sum of chunk (r+1) mod N.
+    All-gather: N-1 more steps pass the finished chunks around the ring. Every rank sends 2(N-1) chunks,
+    2(N-1)/N x bytes(t), whatever N is. ``counter`` counts the bytes each send really carries.
     """
     if not t.is_contiguous():
         raise ValueError("ring_all_reduce works in place on a contiguous tensor; pass t.contiguous()")
     world, rank = dist.get_world_size(), dist.get_rank()
     if world == 1:
         return t
-    flat = t.view(-1)
-    chunks = list(torch.tensor_split(flat, world))  # views: writing into them writes into t
-    right, left = (rank + 1) % world, (rank - 1) % world
-    sent = 0
-
-    def pass_chunk(send_idx: int, recv_idx: int) -> torch.Tensor:
-        nonlocal sent
-        buf = torch.empty_like(chunks[recv_idx])
+    chunks = list(torch.tensor_split(t.view(-1), world))  # views: writing into them writes into t
+    right, left, sent = (rank + 1) % world, (rank - 1) % world, 0
+    for step in range(2 * (world - 1)):
+        # step s sends chunk rank - s and receives chunk rank - s - 1 (mod N): in the all-gather's steps the one
+        # sent is the one finished (or received) the step before
+        out, into = chunks[(rank - step) % world], chunks[(rank - step - 1) % world]
+        buf = torch.empty_like(into)
         # the send and the receive in one batch: blocking send-then-recv on every rank would deadlock
         # the ring, and at N = 2 both go to the same peer, which NCCL only runs as one group
-        exchange([Message(chunks[send_idx].contiguous(), right)], [Message(buf, left)]).wait()
-        sent += nbytes(chunks[send_idx])
-        return buf
-
-    for step in range(world - 1):  # reduce-scatter
-        send_idx, recv_idx = (rank - step) % world, (rank - step - 1) % world
-        chunks[recv_idx].add_(pass_chunk(send_idx, recv_idx))
-    for step in range(world - 1):  # all-gather: pass on the finished chunks
-        send_idx, recv_idx = (rank + 1 - step) % world, (rank - step) % world
-        chunks[recv_idx].copy_(pass_chunk(send_idx, recv_idx))
+        exchange([Message(out.contiguous(), right)], [Message(buf, left)]).wait()
+        sent += nbytes(out)
+        if step < world - 1:
+            into.add_(buf)   # reduce-scatter: add the left neighbour's partial sum
+        else:
+            into.copy_(buf)  # all-gather: take the finished chunk
     if counter is not None:
         counter.add("ring_all_reduce", sent)
     return t

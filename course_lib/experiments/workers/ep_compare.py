@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from course_lib.experiments import launch
-from course_lib.experiments.ep_checks import EPRun, run_layer
-from course_lib.parallel.expert_parallel.moe_layer import expert_process_groups
+from course_lib.experiments.ep_checks import EPRun, expert_process_groups, run_layer
 from course_lib.experiments.results import WorkerResult
 from course_lib.moe import no_drop_factor
 

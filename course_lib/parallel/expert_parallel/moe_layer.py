@@ -1,17 +1,15 @@
 """Expert parallelism: the experts of a mixture-of-experts layer spread over ranks (chapter 12).
 
-``e`` ranks form an expert-parallel (EP) group; each holds ``E/e`` of the ``E``
-experts and a copy of everything else (the router here). Each rank routes its
-own tokens (``moe.route``); ``ExpertParallelMoE.forward`` then 1. exchanges the
-per-expert counts (an all-to-all: the splits are uneven, the router decides them),
-2. **dispatches** the token rows to their experts' ranks (``all_to_all``), 3. runs
-its experts on what arrived, 4. **combines**: the reverse all-to-all brings every
-output row home, where it is gated and summed per token as in one process. The
-backward of an all-to-all is the all-to-all with the splits swapped (``_AllToAll``).
-Expert gradients arrive complete; the replicated router's are partial sums, all-
-reduced as in data parallelism (with EP x DP the experts' over their DP group only).
-The load-balancing loss is the group's (``group_load_balancing_loss``). Bytes per
-rank, layer and all-to-all under even routing: ``(e-1)/e * k T_r * d_model * b``.
+``e`` ranks form an expert-parallel (EP) group; each holds ``E/e`` of the ``E`` experts and a copy of everything
+else (the router here). Each rank routes its own tokens (``moe.route``); ``ExpertParallelMoE.forward`` then
+1. exchanges the per-expert counts (an all-to-all: the splits are uneven, the router decides them),
+2. **dispatches** the token rows to their experts' ranks (an all-to-all), 3. runs its experts on what arrived,
+4. **combines**: the reverse all-to-all brings every output row home, where it is gated and summed per token as in
+one process. The backward of an all-to-all is the all-to-all with the splits swapped (``_AllToAll``). Expert
+gradients arrive complete; the replicated router's are partial sums, all-reduced as in data parallelism (with
+EP x DP the experts' over their DP group only). The load-balancing loss is the group's
+(``group_load_balancing_loss``). Bytes per rank, layer and all-to-all under even routing:
+``(e-1)/e * k T_r * d_model * b``.
 """
 
 from __future__ import annotations
@@ -22,21 +20,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib.parallel.collectives import all_reduce, all_to_all
+from course_lib.parallel.collectives import all_reduce
 from course_lib.moe import MoEMLP, Routing, expert_batches, expert_counts, queue_lengths, route
 
 
 class ExpertParallelMoE(nn.Module):
     """This rank's part of a ``MoEMLP`` on an EP group: the router copied, experts ``shard*E/e .. (shard+1)*E/e``.
 
-    ``forward`` keeps ``routing``, ``aux_loss`` (as ``MoEMLP`` does, but over the
-    whole EP group's tokens: ``group_load_balancing_loss``) and
-    ``send_splits``/``recv_splits`` (rows of the dispatch buffers, per peer).
-    Each rank adds ``alpha * aux_loss`` to its loss; the router's gradients,
-    summed over the ranks, are then the one-process layer's (averaged over
-    ``e`` ranks instead, the aux term's would be ``1/e`` of it). ``a2a`` swaps
-    the hand-written all-to-all for torch's differentiable one
-    (``torch.distributed.nn``).
+    ``forward`` keeps ``routing`` and ``aux_loss`` (as ``MoEMLP`` does, but over the whole EP group's tokens:
+    ``group_load_balancing_loss``). Each rank adds ``alpha * aux_loss`` to its loss; the router's gradients,
+    summed over the ranks, are then the one-process layer's (averaged over ``e`` ranks instead, the aux term's
+    would be ``1/e`` of it). ``a2a="torch"``: torch's differentiable all-to-all (``torch.distributed.nn``).
     """
 
     def __init__(self, moe: MoEMLP, group: dist.ProcessGroup | None = None, a2a: str = "by_hand"):
@@ -52,8 +46,6 @@ class ExpertParallelMoE(nn.Module):
         self.experts = nn.ModuleList(copy.deepcopy(moe.experts[i]) for i in range(first, first + self.per))
         self.routing: Routing | None = None
         self.aux_loss: torch.Tensor | None = None
-        self.send_splits: list[int] = []
-        self.recv_splits: list[int] = []
 
     def _send(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
         if self.a2a == "torch":  # the real API: autograd built in
@@ -65,8 +57,7 @@ class ExpertParallelMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
         n = tokens.shape[0]
-        r = route(self.router(tokens), self.k, self.capacity_factor)
-        self.routing = r
+        r = self.routing = route(self.router(tokens), self.k, self.capacity_factor)
         self.aux_loss = group_load_balancing_loss(r.probs, r.expert[:, 0], self.group)
         gate = r.gate.t().reshape(-1)
         # 1. counts. The splits are host integers, read twice per layer on purpose: this rank's queues (one wait
@@ -89,7 +80,6 @@ class ExpertParallelMoE(nn.Module):
         done = torch.cat([m(rows) for m, rows in zip(self.experts, arrived[perm].split(per_expert))])
         # 4. combine: the rows back home in send order (splits swapped), gated and summed per token
         home = self._send(done[torch.argsort(perm)], send_splits, recv_splits)
-        self.send_splits, self.recv_splits = send_splits, recv_splits
         out = torch.zeros_like(tokens).index_add(0, a % n, (home * gate[a, None]).to(tokens.dtype))
         return out.reshape(x.shape)
 
@@ -109,14 +99,14 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x, out_splits, in_splits, group):
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        all_to_all(out, x.contiguous(), out_splits, in_splits, group=group)
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
         back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        all_to_all(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
         return back, None, None, None
 
 
@@ -124,7 +114,7 @@ def exchange_counts(counts: torch.Tensor, ep: int, group: dist.ProcessGroup | No
     """Send each rank the counts of its experts; return ``(ep, E/e)``: row ``r`` = what rank ``r`` will send me."""
     per = experts_per_rank(counts.numel(), ep)
     received = torch.empty_like(counts)
-    all_to_all(received, counts, [per] * ep, [per] * ep, group=group)
+    dist.all_to_all_single(received, counts, [per] * ep, [per] * ep, group=group)
     return received.view(ep, per)
 
 
@@ -132,12 +122,10 @@ def group_load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor,
                               group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Switch's ``E * sum_i f_i P_i`` over the tokens of all of ``group``'s ranks; the gradient of this rank's.
 
-    ``probs``: this rank's ``(T_r, E)`` router softmax; ``first_choice``: its
-    ``(T_r,)`` first-choice expert ids. The value is ``moe.load_balancing_loss``
-    on all the group's tokens (computed in at least float32). The gradient
-    reaches this rank's router through this rank's ``P_i`` sums only; summed
-    over the group's ranks it is the one-process gradient (``f_i`` carries
-    none, as in one process).
+    ``probs``: this rank's ``(T_r, E)`` router softmax; ``first_choice``: its ``(T_r,)`` first-choice expert ids.
+    The value is ``moe.load_balancing_loss`` on all the group's tokens (computed in at least float32). The gradient
+    reaches this rank's router through this rank's ``P_i`` sums only; summed over the group's ranks it is the
+    one-process gradient (``f_i`` carries none, as in one process).
     """
     n_experts = probs.shape[-1]
     # at least float32: in bf16 a count above 256 is no longer a whole number
@@ -184,11 +172,3 @@ def expert_dp_groups(world: int, ep: int) -> tuple[list[list[int]], list[list[in
     ep_groups = [list(range(s, s + ep)) for s in range(0, world, ep)]
     dp_groups = [list(range(s, world, ep)) for s in range(ep)]
     return ep_groups, dp_groups
-
-
-def expert_process_groups(ep: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """This rank's EP and DP process groups of ``expert_dp_groups``; every rank makes every group, in the same order,
-    as ``new_group`` requires."""
-    ep_groups, dp_groups = expert_dp_groups(dist.get_world_size(), ep)
-    made_ep, made_dp = [dist.new_group(g) for g in ep_groups], [dist.new_group(g) for g in dp_groups]
-    return made_ep[dist.get_rank() // ep], made_dp[dist.get_rank() % ep]

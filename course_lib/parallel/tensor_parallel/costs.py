@@ -1,17 +1,11 @@
 """What tensor and sequence parallelism cost, in formulas (chapter 10; the capstone's planner uses them).
 
-Notation of Korthikanti et al. 2022: s the sequence length, b the micro-batch, h the width, a the heads,
-t the tensor-parallel size, d the data-parallel size, v the vocabulary. The layer is the course's
-``TransformerBlock`` (GPT-2's: pre-norm, fused QKV, a 4h MLP with GELU), which is also the paper's.
-
-- Model states per rank: TP splits the four weight matrices (and the column-parallel biases) t ways;
-  FSDP/ZeRO over d divides what each TP rank holds by d.
-- Activations per layer (the paper's Table 2): 34sbh + 5as²b bytes; TP divides all but 10sbh by t,
-  TP with sequence parallelism everything.
-- Communication per layer per micro-batch: TP all-reduces an sbh activation 4 times; SP replaces each
-  all-reduce by an all-gather and a reduce-scatter, the same bytes; Megatron's regather adds one all-gather
-  per column-parallel linear in the backward. The vocabulary split's loss sends 3 numbers per token where
-  gathering the logits would send v.
+Notation of Korthikanti et al. 2022: s the sequence length, b the micro-batch, h the width, a the heads, t the
+tensor-parallel size, d the data-parallel size, v the vocabulary. The layer is the course's ``TransformerBlock``
+(GPT-2's: pre-norm, fused QKV, a 4h MLP with GELU), which is also the paper's. Per rank: the model states
+(``block_param_split``, ``state_bytes_per_rank``), the activations a layer saves (``activation_bytes_per_layer``),
+the bytes its collectives send (``comm_bytes_per_layer``, against its matmuls: ``comm_over_compute``) and the
+vocabulary split's (``vocab_parallel_bytes``, against gathering the logits: ``gathered_logits_bytes``).
 """
 
 from __future__ import annotations
@@ -41,9 +35,8 @@ def state_bytes_per_rank(split_params: float, whole_params: float, tp: int = 1, 
                          optimizer_bytes: int = 8) -> dict[str, float]:
     """Bytes of ``params``, ``grads``, ``optimizer`` one rank holds on a dp x tp mesh.
 
-    Each TP rank holds ``split_params / tp + whole_params`` parameters; ZeRO
-    ``zero_stage`` over the ``dp`` ranks divides those (3 = FSDP). Defaults:
-    fp32 Adam, 4 + 4 + 8 bytes per parameter (``zero.zero_bytes_per_rank``).
+    Each TP rank holds ``split_params / tp + whole_params`` parameters; ZeRO ``zero_stage`` over the ``dp`` ranks
+    divides those (3 = FSDP). Defaults: fp32 Adam, 4 + 4 + 8 bytes per parameter (``zero.zero_bytes_per_rank``).
     """
     _check_sizes(tp=tp, dp=dp)
     per_tp_rank = split_params / tp + whole_params
@@ -55,13 +48,11 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, tp: int = 1, sequ
                                regather: bool = True) -> float:
     """Bytes one rank saves for the backward of one transformer layer (Korthikanti et al. 2022, Table 2).
 
-    Defaults give the paper's 34sbh + 5as²b at t = 1, sbh(10 + 24/t + 5as/ht)
-    under TP and sbh/t (34 + 5as/h) under TP + SP. ``act_bytes``: bytes per
-    saved activation element (4 in fp32). ``dropout=False``: a layer without
-    dropout (the course's blocks): no masks, no dropped-out attention copy.
-    ``regather=False``: the sequence-parallel linears save their gathered
-    input, t times the shard, as ``torch``'s ``SequenceParallel`` does; the
-    paper (and Megatron-LM) save the shard and gather it again in the backward.
+    Defaults give the paper's 34sbh + 5as²b at t = 1, sbh(10 + 24/t + 5as/ht) under TP (all but the 10sbh of
+    the LayerNorm regions divided by t) and sbh/t (34 + 5as/h) under TP + SP. ``act_bytes``: bytes per saved
+    element (4 in fp32). ``dropout=False``: a layer without dropout (the course's blocks): no masks, no
+    dropped-out attention copy. ``regather=False``: the sequence-parallel linears save their gathered input, t
+    times the shard, as torch's ``SequenceParallel`` does; the paper (and Megatron-LM) save the shard.
     """
     _check_sizes(s=s, b=b, h=h, a=a, tp=tp)
     sbh = s * b * h
@@ -89,11 +80,9 @@ def saved_fraction_per_rank(s: int, h: int, a: int, tp: int, sequence_parallel: 
                             dropout: bool = False, regather: bool = False) -> float:
     """The share of what one layer saves per sequence that each of ``tp`` ranks keeps (1 at ``tp = 1``).
 
-    Table 2's terms (``activation_bytes_per_layer``) and the LayerNorms'
-    statistics (``act_bytes`` each), per sequence; the causal mask (s² bytes a layer saves once per
-    micro-batch, whole on every rank) is not per sequence, so not in it. The
-    defaults describe the course's block trained in fp32 under torch's
-    ``SequenceParallel``: 4-byte activations, no dropout, gathered inputs saved.
+    Table 2's terms and the LayerNorms' statistics (``act_bytes`` each), per sequence; the causal mask (s² bytes
+    a layer saves once per micro-batch, whole on every rank) is not per sequence, so not in it. The defaults: the
+    course's block in fp32 under torch's ``SequenceParallel`` (no dropout, gathered inputs saved).
     """
     def per_rank(t: int) -> float:
         return (activation_bytes_per_layer(s, 1, h, a, t, sequence_parallel, act_bytes, dropout=dropout,
@@ -115,10 +104,9 @@ def comm_bytes_per_layer(s: int, b: int, h: int, tp: int, sequence_parallel: boo
                          regather: bool = True, act_bytes: int = 2) -> dict[str, float]:
     """Bytes one rank sends per layer per micro-batch (forward + backward), ring algorithm, by collective.
 
-    Every collective moves one (s, b, h) activation: an all-reduce sends
-    2(t-1)/t of it, an all-gather or a reduce-scatter (t-1)/t. Not included:
-    under SP, the once-per-step sum of the replicated parameters' gradients
-    (6h per layer: ``block_param_split``).
+    Every collective moves one (s, b, h) activation: an all-reduce sends 2(t-1)/t of it, an all-gather or a
+    reduce-scatter (t-1)/t; SP's pair sends what TP's all-reduce does. Not included: under SP, the once-per-step
+    sum of the replicated parameters' gradients (6h per layer: ``block_param_split``).
     """
     _check_sizes(s=s, b=b, h=h, tp=tp)
     activation = s * b * h * act_bytes
@@ -136,9 +124,8 @@ def comm_over_compute(s: int, h: int, tp: int, flops_per_s: float, bytes_per_s: 
                       act_bytes: int = 2) -> float:
     """Seconds of TP's collectives per second of matmuls in one layer, on devices of the given speeds.
 
-    Both grow like s·b, so the batch cancels: a larger batch cannot hide TP's
-    traffic behind more compute (data parallelism's gradient all-reduce is
-    once per step and can). ``bytes_per_s``: what one rank sends per second.
+    Both grow like s·b, so the batch cancels: a larger batch cannot hide TP's traffic behind more compute (data
+    parallelism's gradient all-reduce is once per step and can). ``bytes_per_s``: what one rank sends per second.
     """
     comm_s = sum(comm_bytes_per_layer(s, 1, h, tp, act_bytes=act_bytes).values()) / bytes_per_s
     compute_s = layer_flops(s, 1, h) / tp / flops_per_s

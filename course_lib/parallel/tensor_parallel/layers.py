@@ -1,15 +1,13 @@
 """Megatron-LM's tensor parallelism written by hand (chapter 10): every matrix of a block split over t ranks.
 
-A column-parallel linear ``Y = X A`` keeps a block of A's output columns (rows of ``nn.Linear.weight``):
-rank r computes ``Y_r = X A_r`` from the full input, no communication. A row-parallel linear keeps a block
-of A's input rows and takes the matching slice of its input: ``Y = sum_r X_r A_r``, a sum over ranks.
-Column then row (the MLP; the attention with its heads split) needs one all-reduce forward and one
-backward, done by two conjugate operators (Shoeybi et al. 2019, section 3): ``f`` (identity forward,
-all-reduce backward) before the column-parallel linear, ``g`` (all-reduce forward, identity backward)
-after the row-parallel one. ``TPBlock`` splits a ``TransformerBlock`` so; with ``sequence_parallel`` its
-LayerNorm regions run on sequence shards (``sequence_parallel.py``). Each collective goes through
-``collectives`` and is counted in ``TPGroup.counter``. The same split through torch's API is in
-``torch_api``. Activations are (batch, sequence, features): the sequence is dimension 1.
+A column-parallel linear ``Y = X A`` keeps a block of A's output columns (rows of ``nn.Linear.weight``): rank r
+computes ``Y_r = X A_r`` from the full input, no communication. A row-parallel linear keeps a block of A's input
+rows and takes the matching slice of its input: ``Y = sum_r X_r A_r``, a sum over ranks. Column then row (the MLP;
+the attention with its heads split) needs one all-reduce forward and one backward, done by two conjugate operators
+(Shoeybi et al. 2019, section 3): ``f`` (identity forward, all-reduce backward) before the column-parallel linear,
+``g`` (all-reduce forward, identity backward) after the row-parallel one. ``TPBlock`` splits a ``TransformerBlock``
+so; with ``sequence_parallel`` its LayerNorm regions run on sequence shards (``sequence_parallel.py``). Each
+collective is counted in ``TPGroup.counter``. Activations are (batch, sequence, features).
 """
 
 from __future__ import annotations
@@ -23,8 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib.parallel import collectives as comm
-from course_lib.parallel.tensor_parallel.sequence_parallel import (SEQ, _GatherLinear, gather_from_sequence,
-                                                                   reduce_scatter_to_sequence)
+from course_lib.parallel.tensor_parallel.sequence_parallel import SEQ, _GatherLinear
 from course_lib.models import TransformerBlock
 
 
@@ -43,10 +40,10 @@ class TPGroup:
     def rank(self) -> int:
         return dist.get_rank(self.group)  # the rank inside the group
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of ``x`` over the group, in a new tensor (autograd may still need ``x``)."""
+    def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+        """The sum (or ``op``) of ``x`` over the group, in a new tensor (autograd may still need ``x``)."""
         out = x.clone(memory_format=torch.contiguous_format)
-        comm.all_reduce(out, counter=self.counter, group=self.group)
+        comm.all_reduce(out, op, counter=self.counter, group=self.group)
         return out
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -67,44 +64,50 @@ class TPGroup:
         return out
 
 
-# ----- the conjugate operators ----------------------------------------------------------------
+# ----- the conjugate operators ------------------------------------------------------------------
 
 
-class _CopyToTP(torch.autograd.Function):
-    """f: identity forward; backward, the sum of every rank's gradient (each rank's slice of the
-    next layer's output depends on all of x, so x's gradient has a part from every rank)."""
+class Conjugate(torch.autograd.Function):
+    """``op(x)`` forward, ``conjugate(grad)`` backward: a collective and its transpose, as one autograd step.
 
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return x.view_as(x)
+    Megatron's f is (identity, all-reduce) and g the reverse; sequence parallelism's pair is (all-gather,
+    reduce-scatter) and the reverse.
+    """
 
     @staticmethod
-    def backward(ctx, grad):
-        return ctx.tp.all_reduce(grad), None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    """g: forward, the sum of the ranks' partial outputs; backward, identity (the sum's gradient
-    with respect to each term is the sum's gradient, already the same on every rank)."""
-
-    @staticmethod
-    def forward(ctx, x, tp):
-        return tp.all_reduce(x)
+    def forward(ctx, x, op, conjugate):
+        ctx.conjugate = conjugate
+        return op(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return ctx.conjugate(grad), None, None
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t.view_as(t)  # the identity, as a new tensor for autograd
 
 
 def copy_to_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    """f: identity forward, all-reduce backward."""
-    return _CopyToTP.apply(x, tp)
+    """f: identity forward; backward, the sum of every rank's gradient (each rank's slice of the next layer's
+    output depends on all of x, so x's gradient has a part from every rank)."""
+    return Conjugate.apply(x, _same, tp.all_reduce)
 
 
 def reduce_from_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    """g: all-reduce forward, identity backward."""
-    return _ReduceFromTP.apply(x, tp)
+    """g: forward, the sum of the ranks' partial outputs; backward, identity (the sum's gradient with respect
+    to each term is the sum's gradient, already the same on every rank)."""
+    return Conjugate.apply(x, tp.all_reduce, _same)
+
+
+def gather_from_sequence(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Sequence parallelism's f (``sequence_parallel``): all-gather the sequence forward, reduce-scatter backward."""
+    return Conjugate.apply(x, lambda t: tp.all_gather(t, SEQ), lambda g: tp.reduce_scatter(g, SEQ))
+
+
+def reduce_scatter_to_sequence(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Sequence parallelism's g: reduce-scatter forward (each rank keeps its rows of the sum), all-gather backward."""
+    return Conjugate.apply(x, lambda t: tp.reduce_scatter(t, SEQ), lambda g: tp.all_gather(g, SEQ))
 
 
 # ----- the parallel layers --------------------------------------------------------------------
@@ -113,9 +116,8 @@ def reduce_from_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
 class ColumnParallelLinear(nn.Module):
     """Rank r keeps block r of ``full``'s output rows (contiguous), and their biases.
 
-    Input: the full activation (or, with ``sequence_parallel``, this rank's
-    sequence shard, gathered here); output: this rank's slice of the features.
-    ``regather`` (sequence parallel only) saves the shard instead of the
+    Input: the full activation (or, with ``sequence_parallel``, this rank's sequence shard, gathered here); output:
+    this rank's slice of the features. ``regather`` (sequence parallel only) saves the shard instead of the
     gathered input and gathers it again in the backward (``_GatherLinear``).
     """
 
@@ -140,8 +142,8 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Rank r keeps input columns ``r`` of ``full``'s weight; the bias is whole, added once after the sum.
 
-    Input: this rank's slice of the features; output: the full activation
-    (``g``), or with ``sequence_parallel`` this rank's sequence shard of it.
+    Input: this rank's slice of the features; output: the full activation (``g``), or with ``sequence_parallel``
+    this rank's sequence shard of it.
     """
 
     def __init__(self, full: nn.Linear, tp: TPGroup, sequence_parallel: bool = False):
@@ -164,20 +166,15 @@ class RowParallelLinear(nn.Module):
 class TPBlock(nn.Module):
     """A ``TransformerBlock`` split over ``tp``: heads and MLP columns per rank, the rest replicated.
 
-    Built from the single-process block's weights, with the same parameter
-    names (``ln1``, ``attn.qkv``, ``attn.proj``, ``ln2``, ``mlp.0``, ``mlp.2``).
-    With ``sequence_parallel`` its input and output are this rank's sequence
-    shard and the replicated parameters (LayerNorms, row-parallel biases) see
-    only their shard's rows: sum their gradients with ``sync_replicated_grads``.
+    Built from the single-process block's weights, with the same parameter names. With ``sequence_parallel`` its
+    input and output are this rank's sequence shard and the replicated parameters (LayerNorms, row-parallel biases)
+    see only their shard's rows: sum their gradients with ``sync_replicated_grads``.
 
-    Dropout raises in training: a copied ``nn.Dropout`` draws from the same
-    random state on every rank, so each rank's heads would get the masks of
-    the other ranks' heads, correlated where they must be independent. The fix
-    is a second random stream per rank, kept apart from the shared one that
-    replicated regions need (Megatron-LM's model-parallel RNG tracker), and
-    restored for every recomputation under checkpointing: more machinery
-    than the course's blocks, which use no dropout, justify. Inference
-    (``eval()``) runs, since dropout is off there.
+    Dropout raises in training: a copied ``nn.Dropout`` draws from the same random state on every rank, so each
+    rank's heads would get the masks of the other ranks' heads, correlated where they must be independent. The fix
+    is a second random stream per rank, kept apart from the shared one that replicated regions need (Megatron-LM's
+    model-parallel RNG tracker) and restored for every recomputation: more machinery than the course's blocks, which
+    use no dropout, justify. Inference (``eval()``) runs, since dropout is off there.
     """
 
     def __init__(self, block: TransformerBlock, tp: TPGroup, sequence_parallel: bool = False, regather: bool = False):
@@ -195,7 +192,6 @@ class TPBlock(nn.Module):
         self.attn.proj = RowParallelLinear(attn.proj, tp, sp)
         self.mlp = nn.Sequential(ColumnParallelLinear(block.mlp[0], tp, sp, regather),
                                  copy.deepcopy(block.mlp[1]), RowParallelLinear(block.mlp[2], tp, sp))
-        self.tp = tp
         self.dropout = float(getattr(attn, "dropout", 0.0) or 0.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -207,28 +203,20 @@ class TPBlock(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-def replicated_params(module: nn.Module) -> list[nn.Parameter]:
-    """Parameters every rank holds whole: all but the split weights (and split biases) of the parallel linears."""
-    split = {id(m.weight) for m in module.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
-    split |= {id(m.bias) for m in module.modules() if isinstance(m, ColumnParallelLinear) and m.bias is not None}
-    return [p for p in module.parameters() if id(p) not in split]
-
-
 def sync_replicated_grads(module: nn.Module, tp: TPGroup, counter: comm.ByteCounter | None = None) -> None:
     """Sum the replicated parameters' gradients over ``tp`` under sequence parallelism, in one message.
 
-    Without sequence parallelism every rank saw the whole sequence: those
-    gradients are complete and equal on every rank already, and a sum would
-    multiply them by t. Then this does nothing.
+    Without sequence parallelism every rank saw the whole sequence: those gradients are complete and equal on every
+    rank already, and a sum would multiply them by t. Then this does nothing.
     """
-    modes = {m.sequence_parallel for m in module.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
-    if len(modes) > 1:
+    linears = [m for m in module.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    if len({m.sequence_parallel for m in linears}) > 1:
         raise ValueError("the module mixes sequence-parallel and plain tensor-parallel layers: the replicated "
                          "gradients of the two parts need different treatment; sync each part on its own")
-    if modes != {True}:
-        return
-    params = [p for p in replicated_params(module) if p.grad is not None]
-    if not params:
+    # replicated: all but the linears' split weights and the column-parallel (split) biases
+    split = {id(m.weight) for m in linears} | {id(m.bias) for m in linears if isinstance(m, ColumnParallelLinear)}
+    params = [p for p in module.parameters() if id(p) not in split and p.grad is not None]
+    if not (params and linears and linears[0].sequence_parallel):
         return
     flat = torch.cat([p.grad.reshape(-1) for p in params])
     comm.all_reduce(flat, counter=counter, group=tp.group)

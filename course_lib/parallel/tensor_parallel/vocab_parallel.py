@@ -19,7 +19,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from course_lib.parallel import collectives as comm
 from course_lib.parallel.tensor_parallel.layers import TPGroup, reduce_from_tp
 
 
@@ -59,19 +58,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, targets, tp):
         first = tp.rank * logits.shape[-1]
         # 1. the max over all V, for a softmax that cannot overflow: local max, all-reduce MAX
-        top = logits.detach().amax(dim=-1)
-        comm.all_reduce(top, op=dist.ReduceOp.MAX, counter=tp.counter, group=tp.group)
+        top = tp.all_reduce(logits.detach().amax(dim=-1), dist.ReduceOp.MAX)
         shifted = logits - top.unsqueeze(-1)
         # 2. the target's (shifted) logit: its owner reads it, every other rank contributes 0; all-reduce SUM
         local = targets - first
         mine = (local >= 0) & (local < logits.shape[-1])
         local = local.masked_fill(~mine, 0)
-        target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
-        comm.all_reduce(target_logit, counter=tp.counter, group=tp.group)
+        target_logit = tp.all_reduce(shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0))
         # 3. the sum of exp over all V: local sum, all-reduce SUM
         exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
-        comm.all_reduce(sum_exp, counter=tp.counter, group=tp.group)
+        sum_exp = tp.all_reduce(exp.sum(dim=-1))
         # softmax over this rank's columns: the backward's only input, (N, V/t) as the logits were
         ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local, mine)
         return sum_exp.log() - target_logit                          # -log p(target), per token
