@@ -233,9 +233,10 @@ def check_tp_block(device: torch.device) -> Measured:
     x = torch.randn(4, 128, 128, device=device)
     with one_rank_group(device):
         for sp in (False, True):
-            block = tp.TPBlock(TransformerBlock(128, 4, 128).to(device), tp.TPGroup(), sp, regather=sp)
+            group = tp.TPGroup()
+            block = tp.TPBlock(TransformerBlock(128, 4, 128).to(device), group, sp, regather=sp)
             _train_step(block, lambda: block(x).pow(2).mean(), device)
-            tp.sync_replicated_grads(block, block.tp)
+            tp.sync_replicated_grads(block, group)
     return Measured()
 
 
