@@ -598,7 +598,8 @@ def test_real_pipeline_matches_sequential_and_formula():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("p, m", [(2, 5), (3, 2), (4, 6)])   # (3, 2): no steady state on stage 0
+# (3, 2): m < p, so stage 0 never reaches a steady state; chapter 08 runs m > p (tests/test_nb_08.py asserts it)
+@pytest.mark.parametrize("p, m", [(3, 2)])
 def test_straight_line_gpipe_and_1f1b_on_p_ranks_equal_one_process(p, m):
     from course_lib.experiments import launch
     from course_lib.experiments.workers.pipeline_run import PipelineResult
