@@ -29,6 +29,15 @@ def test_stored_without_outputs(path):
         assert cell.execution_count is None
 
 
+@pytest.mark.parametrize("path", ALL, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_cell_has_a_unique_id(path):
+    """nbformat 4.5 cells carry an ``id``; a cell added without one makes every reader warn (and, later, fail)."""
+    ids = [c.get("id") for c in json.loads(path.read_text())["cells"]]
+    missing = [k for k, i in enumerate(ids) if not i]
+    assert not missing, f"{path.name}: cells {missing} have no id (nbformat.validator.normalize adds them)"
+    assert len(set(ids)) == len(ids), f"{path.name}: repeated cell ids"
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_one_parameters_cell_with_profile(path):
     nb = json.loads(path.read_text())
