@@ -56,22 +56,13 @@ def test_no_teaching_module_imports_the_harness_or_the_tooling(path: Path) -> No
 
 
 PARALLEL = sorted((LIB / "parallel").rglob("*.py"))
-
-
-@pytest.mark.parametrize("path", PARALLEL, ids=lambda p: str(p.relative_to(LIB)))
-def test_each_parallel_teaching_file_reads_in_one_sitting(path: Path) -> None:
-    lines = len(path.read_text().splitlines())
-    assert lines <= MAX_LINES, f"course_lib/{path.relative_to(LIB)} has {lines} lines (at most about 300)"
-    assert doc_lines(path) <= MAX_DOC_LINES, (
-        f"course_lib/{path.relative_to(LIB)}'s module docstring has {doc_lines(path)} lines (at most about 15)")
-
-
-# The same for every other teaching module: the single-process chapters, the planner.
+# Every other teaching module too (the single-process chapters, the planner); package __init__ files outside
+# parallel/ are maps, not lessons.
 SINGLE = sorted(p for p in teaching_files() if p.relative_to(LIB).parts[0] != "parallel" and p.name != "__init__.py")
 
 
-@pytest.mark.parametrize("path", SINGLE, ids=lambda p: str(p.relative_to(LIB)))
-def test_each_teaching_file_outside_parallel_reads_in_one_sitting(path: Path) -> None:
+@pytest.mark.parametrize("path", PARALLEL + SINGLE, ids=lambda p: str(p.relative_to(LIB)))
+def test_each_teaching_file_reads_in_one_sitting(path: Path) -> None:
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_LINES, f"course_lib/{path.relative_to(LIB)} has {lines} lines (at most about 300)"
     assert doc_lines(path) <= MAX_DOC_LINES, (
