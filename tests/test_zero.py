@@ -24,7 +24,8 @@ from course_lib.experiments.zero_meters import count_collectives, count_fsdp_tra
 from course_lib.models import lm_loss
 from course_lib.parallel.sharding import zero
 from course_lib.parallel.sharding.agreement import GuardedZeroOptimizer
-from course_lib.parallel.sharding.zero import ZeroOptimizer, bucket_sizes, shard_bounds, zero_bytes_per_rank
+from course_lib.parallel.sharding.zero import ZeroOptimizer, shard_bounds, zero_bytes_per_rank
+from course_lib.parallel.sharding.zero_buckets import bucket_sizes
 
 
 @pytest.mark.parametrize("numel", [0, 1, 7, 12, 30145])

@@ -26,7 +26,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from course_lib import memory, offload
 from course_lib.checkpointing import fastest_times
 from course_lib.parallel.tensor_parallel import costs as tp_costs
-from course_lib.parallel.sharding.zero import DEFAULT_BUCKET_MB, bucket_sizes
+from course_lib.parallel.sharding.zero import DEFAULT_BUCKET_MB
+from course_lib.parallel.sharding.zero_buckets import bucket_sizes
 from course_lib.models import TransformerBlock, lm_loss
 from course_lib.planner.config import pass_key
 from course_lib.planner.step import LossFn, attention_kernel, autocast, bf16_kernels, precision

@@ -28,7 +28,6 @@ from course_lib import memory
 from course_lib.models import TinyTransformer
 from course_lib.parallel import collectives as comm
 from course_lib.parallel.sharding.zero_buckets import DEFAULT_BUCKET_MB, FlatLayout
-from course_lib.parallel.sharding.zero_buckets import bucket_sizes  # noqa: F401 (the planner imports it here)
 
 # Reduce-scatters left running while the backward goes on (0: wait for each at once). Each holds its bucket's full
 # gradient (and, on gloo, a copy of it) until it is done: the peak grows by that per one in flight.
