@@ -2,7 +2,6 @@ import contextlib
 
 import pytest
 import torch
-from torch import nn
 
 from course_lib import memory, offload
 from course_lib.models import TinyTransformer, lm_loss

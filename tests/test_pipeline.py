@@ -462,7 +462,6 @@ def _nccl_completes(groups_per_rank: list[list[list[tuple[str, int]]]]) -> bool:
     p = len(groups_per_rank)
     current = [0] * p                                      # the running group of each rank
     done = [[set() for _ in groups] for groups in groups_per_rank]
-    sent_before: dict = {}                                 # (src, dst, n) -> the n-th message of that pair
 
     def nth(rank, g, j):
         kind, peer = groups_per_rank[rank][g][j]
