@@ -118,10 +118,9 @@ def exchange_counts(counts: torch.Tensor, ep: int, group: dist.ProcessGroup | No
 def group_load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor,
                               group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Switch's ``E * sum_i f_i P_i`` over the tokens of all of ``group``'s ranks; the gradient of this rank's.
-    ``probs``: this rank's ``(T_r, E)`` router softmax; ``first_choice``: its ``(T_r,)`` first-choice expert ids.
-    The value is ``moe.load_balancing_loss`` on all the group's tokens. The gradient reaches this rank's router through
-    this rank's ``P_i`` sums only; summed over the group's ranks it is the one-process gradient (``f_i`` carries none,
-    as in one process)."""
+    ``probs``: this rank's ``(T_r, E)`` router softmax; ``first_choice``: its ``(T_r,)`` first-choice expert ids. The
+    value is ``moe.load_balancing_loss`` on all the group's tokens; the gradient reaches this rank's router through its
+    own ``P_i`` sums only (``f_i`` carries none), and summed over the ranks is the one-process gradient."""
     n_experts = probs.shape[-1]
     # at least float32: in bf16 a count above 256 is no longer a whole number
     dtype = torch.promote_types(probs.dtype, torch.float32)
@@ -129,10 +128,9 @@ def group_load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor,
     stats = torch.cat([expert_counts(first_choice, n_experts).to(dtype), mine.detach(),
                        mine.new_full((1,), first_choice.numel())])
     # One all-reduce of detached numbers, not torch.distributed.nn's differentiable all_reduce: that one's backward
-    # all-reduces the gradient as well, so every rank's router would get the gradient of all the group's tokens and
-    # the sum over ranks, which the router's gradient sync takes, would be e times the one-process gradient. Here the
-    # other ranks' sums enter as constants: no collective in the backward. Cost: 2E + 1 numbers per forward, one
-    # latency-bound message.
+    # all-reduces the gradient as well, so every rank's router would get the gradient of all the group's tokens, and the
+    # router's gradient sync (a sum over ranks) e times the one-process gradient. Here the other ranks' sums enter as
+    # constants: no collective in the backward. Cost: 2E + 1 numbers per forward, one latency-bound message.
     all_reduce(stats, group=group)
     counts, sums, n = stats[:n_experts], stats[n_experts:2 * n_experts], stats[-1]
     f = counts / n  # no gradient

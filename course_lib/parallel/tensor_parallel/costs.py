@@ -21,16 +21,14 @@ def _check_sizes(**sizes: int) -> None:
 
 
 def block_param_split(h: int) -> tuple[int, int]:
-    """(parameters TP splits, parameters every TP rank keeps whole) of one block of width h. Split: QKV 3h² + 3h,
-    output projection h², MLP 4h² + 4h and 4h²: 12h² + 7h. Whole: the two LayerNorms (4h) and the row-parallel
-    biases (2h): 6h."""
+    """(parameters TP splits, parameters every TP rank keeps whole) of one block of width h. Split: QKV 3h² + 3h, output
+    projection h², MLP 4h² + 4h and 4h² (12h² + 7h). Whole: the two LayerNorms 4h, the row-parallel biases 2h (6h)."""
     _check_sizes(h=h)
     return 12 * h * h + 7 * h, 6 * h
 
 
-def state_bytes_per_rank(split_params: float, whole_params: float, tp: int = 1, dp: int = 1,
-                         zero_stage: int = 3, param_bytes: int = 4, grad_bytes: int = 4,
-                         optimizer_bytes: int = 8) -> dict[str, float]:
+def state_bytes_per_rank(split_params: float, whole_params: float, tp: int = 1, dp: int = 1, zero_stage: int = 3,
+                         param_bytes: int = 4, grad_bytes: int = 4, optimizer_bytes: int = 8) -> dict[str, float]:
     """Bytes of ``params``, ``grads``, ``optimizer`` one rank holds on a dp x tp mesh: each TP rank holds
     ``split_params / tp + whole_params`` parameters; ZeRO ``zero_stage`` over the ``dp`` ranks divides those (3 = FSDP).
     Defaults: fp32 Adam, 4 + 4 + 8 bytes per parameter (``zero.zero_bytes_per_rank``)."""

@@ -28,8 +28,7 @@ def block_plan(sequence_parallel: bool = False, keep_dtensor: bool = True) -> di
     if not sequence_parallel:
         return {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
                 "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
-    gather = dict(input_layouts=(Shard(SEQ),), desired_input_layouts=(Replicate(),),
-                  use_local_output=not keep_dtensor)
+    gather = dict(input_layouts=(Shard(SEQ),), desired_input_layouts=(Replicate(),), use_local_output=not keep_dtensor)
     return {"ln1": SequenceParallel(), "attn": PrepareModuleInput(**gather),
             "attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(output_layouts=Shard(SEQ)),
             "ln2": SequenceParallel(), "mlp": PrepareModuleInput(**gather),
@@ -65,8 +64,8 @@ def parallelize(model: TinyTransformer, mesh, sequence_parallel: bool = False) -
 def reduce_partial_grads(model: nn.Module) -> int:
     """Sum, once, every gradient that is still a partial sum over ranks; return how many there were. Under SP the
     LayerNorms see one sequence shard per rank: their gradients are DTensors placed ``Partial``. FSDP2 sums them in its
-    gradient reduction; without FSDP they would reach the optimizer partial, and Adam would all-reduce one each time
-    it reads it (the chapter measures how often)."""
+    gradient reduction; without FSDP they would reach the optimizer partial, and Adam would all-reduce one each time it
+    reads it (the chapter measures how often)."""
     count = 0
     for p in model.parameters():
         g = p.grad
