@@ -40,11 +40,10 @@ def state_bytes_per_rank(split_params: float, whole_params: float, tp: int = 1, 
 def activation_bytes_per_layer(s: int, b: int, h: int, a: int, tp: int = 1, sequence_parallel: bool = False,
                                act_bytes: int = 2, mask_bytes: int = 1, dropout: bool = True,
                                regather: bool = True) -> float:
-    """Bytes one rank saves for the backward of one transformer layer (Korthikanti et al. 2022, Table 2).
-
-    Defaults give the paper's 34sbh + 5as²b at t = 1, sbh(10 + 24/t + 5as/ht) under TP (all but the 10sbh of the
-    LayerNorm regions divided by t) and sbh/t (34 + 5as/h) under TP + SP. ``act_bytes``: bytes per saved element (4 in
-    fp32). ``dropout=False``: a layer without dropout (the course's blocks): no masks, no dropped-out attention copy.
+    """Bytes one rank saves for the backward of one transformer layer (Korthikanti et al. 2022, Table 2). Defaults give
+    the paper's 34sbh + 5as²b at t = 1, sbh(10 + 24/t + 5as/ht) under TP (all but the 10sbh of the LayerNorm regions
+    divided by t) and sbh/t (34 + 5as/h) under TP + SP. ``act_bytes``: bytes per saved element (4 in fp32).
+    ``dropout=False``: a layer without dropout (the course's blocks): no masks, no dropped-out attention copy.
     ``regather=False``: the sequence-parallel linears save their gathered input, t times the shard, as torch's
     ``SequenceParallel`` does; the paper (and Megatron-LM) save the shard."""
     _check_sizes(s=s, b=b, h=h, a=a, tp=tp)

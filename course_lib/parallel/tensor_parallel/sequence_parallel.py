@@ -12,13 +12,8 @@ rank's shard of a column-parallel linear's input and gathers it again in the bac
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
-
-if TYPE_CHECKING:
-    from course_lib.parallel.tensor_parallel.layers import TPGroup
 
 SEQ = 1  # the sequence dimension of (batch, sequence, features)
 

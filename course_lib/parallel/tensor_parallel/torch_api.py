@@ -19,7 +19,6 @@ from course_lib.models import TinyTransformer
 
 def block_plan(sequence_parallel: bool = False, keep_dtensor: bool = True) -> dict:
     """The plan of one ``TransformerBlock``: ``ColwiseParallel`` cuts ``attn.qkv``'s rows into whole heads.
-
     Colwise/Rowwise pairs give Megatron's TP. Under ``sequence_parallel`` the LayerNorms run on sequence shards
     (``SequenceParallel``); before attention and MLP the shard is all-gathered (``PrepareModuleInput``: Shard(1) ->
     Replicate), and the row-parallel outputs are reduce-scattered back to shards (``output_layouts=Shard(1)``).
@@ -36,12 +35,11 @@ def block_plan(sequence_parallel: bool = False, keep_dtensor: bool = True) -> di
 
 
 def parallelize(model: TinyTransformer, mesh, sequence_parallel: bool = False) -> TinyTransformer:
-    """TP (and SP) over ``mesh["tp"]`` inside every block, then FSDP2 over ``mesh["dp"]``; in place.
-
-    Order matters (as in torchtitan): TP first turns the block weights into DTensors on the TP mesh; ``fully_shard``
-    then shards each rank's TP shard again along dimension 0 over the data-parallel ranks. The embedding and the head
-    stay whole on every TP rank (sharded over dp only). Under SP the embedding's output is cut into sequence shards
-    (no communication: every TP rank holds it whole) and gathered again before the head."""
+    """TP (and SP) over ``mesh["tp"]`` inside every block, then FSDP2 over ``mesh["dp"]``; in place. Order matters (as
+    in torchtitan): TP first turns the block weights into DTensors on the TP mesh; ``fully_shard`` then shards each
+    rank's TP shard again along dimension 0 over the data-parallel ranks. The embedding and the head stay whole on every
+    TP rank (sharded over dp only). Under SP the embedding's output is cut into sequence shards (no communication: every
+    TP rank holds it whole) and gathered again before the head."""
     from torch.distributed.fsdp import fully_shard
 
     tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
