@@ -175,10 +175,10 @@ def _merge_tile(o: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Te
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None
            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of one tile's queries over its keys: ``(o, L)`` in the accumulation dtype; ``visible=None``: no mask. A
-    bf16 tile is computed in float32, its products too: scores rounded to bf16 would be off by up to ``2^-9 |s|`` before
-    the exponential, and an ``L`` so rounded weighs a block wrong by up to ``exp(2^-9 |L|)``. The cost: float32 matrix
-    products (slower than bf16's on a GPU) and float32 copies of the tile."""
+    """Attention of one tile's queries over its keys: ``(o, L)`` in the accumulation dtype; ``visible=None``: no mask.
+    A bf16 tile is computed in float32, its products too: scores rounded to bf16 would be off by up to ``2^-9 |s|``
+    before the exponential, and an ``L`` so rounded weighs a block wrong by up to ``exp(2^-9 |L|)``. The cost: float32
+    matrix products (slower than bf16's on a GPU) and float32 copies of the tile."""
     acc = accumulation_dtype(q.dtype)
     q, k, v = (t.to(acc) for t in (q, k, v))
     s = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])

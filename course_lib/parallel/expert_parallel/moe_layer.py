@@ -128,9 +128,9 @@ def group_load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor,
     stats = torch.cat([expert_counts(first_choice, n_experts).to(dtype), mine.detach(),
                        mine.new_full((1,), first_choice.numel())])
     # One all-reduce of detached numbers, not torch.distributed.nn's differentiable all_reduce: that one's backward
-    # all-reduces the gradient as well, so every rank's router would get the gradient of all the group's tokens, and the
-    # router's gradient sync (a sum over ranks) e times the one-process gradient. Here the other ranks' sums enter as
-    # constants: no collective in the backward. Cost: 2E + 1 numbers per forward, one latency-bound message.
+    # all-reduces the gradient as well, so every rank's router would get the gradient of all the group's tokens, and
+    # after the router's gradient sync (a sum over ranks) e times the one-process gradient. Here the other ranks' sums
+    # enter as constants: no collective in the backward. Cost: 2E + 1 numbers per forward, one latency-bound message.
     all_reduce(stats, group=group)
     counts, sums, n = stats[:n_experts], stats[n_experts:2 * n_experts], stats[-1]
     f = counts / n  # no gradient
