@@ -18,12 +18,11 @@ from course_lib.models import TinyTransformer
 
 
 def block_plan(sequence_parallel: bool = False, keep_dtensor: bool = True) -> dict:
-    """The plan of one ``TransformerBlock``: ``ColwiseParallel`` cuts ``attn.qkv``'s rows into whole heads.
-    Colwise/Rowwise pairs give Megatron's TP. Under ``sequence_parallel`` the LayerNorms run on sequence shards
-    (``SequenceParallel``); before attention and MLP the shard is all-gathered (``PrepareModuleInput``: Shard(1) ->
-    Replicate), and the row-parallel outputs are reduce-scattered back to shards (``output_layouts=Shard(1)``).
-    ``keep_dtensor``: the gathered input stays a DTensor; as a plain tensor (``False``) its gradient must be whole on
-    every rank when it re-enters DTensor: an all-reduce where a reduce-scatter would do."""
+    """The plan of one ``TransformerBlock``; Colwise/Rowwise pairs give Megatron's TP. Under ``sequence_parallel`` the
+    LayerNorms run on sequence shards (``SequenceParallel``); before attention and MLP the shard is all-gathered
+    (``PrepareModuleInput``: Shard(1) -> Replicate), and the row-parallel outputs are reduce-scattered back to shards
+    (``output_layouts=Shard(1)``). ``keep_dtensor``: the gathered input stays a DTensor; as a plain tensor (``False``)
+    its gradient must be whole on every rank as it re-enters DTensor: an all-reduce where a reduce-scatter would do."""
     if not sequence_parallel:
         return {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
                 "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}

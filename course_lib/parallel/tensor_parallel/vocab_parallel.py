@@ -6,10 +6,9 @@ Split them over the vocabulary: rank r holds rows ``[r V/t, (r+1) V/t)`` of the 
 
 - ``VocabParallelEmbedding``: an id outside this rank's rows reads zeros; ``g``'s all-reduce then gives every rank
   the one row that some rank holds.
-- ``vocab_parallel_cross_entropy``: ``log softmax`` needs the max and the sum of exp over all V columns. Each is a local
-  reduction plus an all-reduce of (B, T) numbers; so is the target's logit, which only its owner holds (the others add
-  0). Three all-reduces of B*T scalars instead of gathering B*T*V logits; the backward (softmax minus one-hot, on this
-  rank's columns) sends nothing.
+- ``vocab_parallel_cross_entropy``: three all-reduces of B*T scalars (the max and the sum of exp over all V columns, the
+  target's logit from the rank that holds it) instead of gathering B*T*V logits; the backward (softmax minus one-hot, on
+  this rank's columns) sends nothing.
 """
 
 from __future__ import annotations
