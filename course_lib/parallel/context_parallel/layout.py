@@ -1,17 +1,13 @@
 """Which positions each rank of the ring holds, and which part of a block its queries can see (chapter 12).
 
-Causal masking makes a plain split unfair: rank ``r``'s queries see the keys of
-ranks ``0..r`` only, so the last rank computes about ``2c - 1`` times what the
-first does. The zigzag layout cuts the sequence into ``2c`` chunks and gives
-rank ``r`` chunks ``r`` and ``2c-1-r``: an early and a late chunk, the same work
-on every rank (ring-flash-attention's, Megatron-LM's and Llama 3's layout; torch's
-``context_parallel`` uses it too; Striped Attention deals tokens round-robin).
+Causal masking makes a plain split unfair: rank ``r``'s queries see the keys of ranks ``0..r`` only, so the last rank
+computes about ``2c - 1`` times what the first does. The zigzag cuts the sequence into ``2c`` chunks and gives rank
+``r`` chunks ``r`` and ``2c-1-r``, an early and a late one: the same work on every rank (the layout of
+ring-flash-attention, Megatron-LM, Llama 3, torch's ``context_parallel``; Striped Attention deals tokens round-robin).
 
-Under the zigzag a rank's queries against another rank's block see a rectangle
-of it, wholly visible: all queries against the block's first chunk (``j < i``),
-or the second chunk of queries against all keys (``j > i``). Only the own block
-needs the causal mask. ``Tile`` is that rectangle: ``(c+1)/2 (T/c)^2`` scores
-per rank, sequence and head instead of the ``c (T/c)^2`` of whole blocks.
+Under the zigzag a rank's queries see a wholly visible rectangle of another rank's block: all queries against its first
+chunk (``j < i``), or the second chunk of queries against all keys (``j > i``). Only the own block needs a causal mask.
+``Tile`` is that rectangle: ``(c+1)/2 (T/c)^2`` scores per rank, sequence and head, against whole blocks' ``c (T/c)^2``.
 """
 
 from __future__ import annotations
@@ -76,8 +72,7 @@ def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
 def _span(qs: list[int], ks: list[int]) -> tuple[int, int, bool]:
     """Where a block's visible pairs lie: queries ``a:``, keys ``:b``, and whether every pair in there is visible.
     With both lists ascending (every layout's are), the queries that see some key are a suffix (at or after the
-    first key), the keys some query sees a prefix (at or before the last query). Unsorted: the whole block, masked.
-    """
+    first key), the keys some query sees a prefix (at or before the last query). Unsorted: the whole block, masked."""
     if qs != sorted(qs) or ks != sorted(ks):
         return 0, len(ks), False
     a, b = bisect.bisect_left(qs, ks[0]), bisect.bisect_right(ks, qs[-1])

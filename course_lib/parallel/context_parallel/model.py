@@ -1,12 +1,9 @@
 """The tiny transformer with its attention over the ring: each rank runs its ``T/c`` positions (chapter 12).
 
-Every layer but attention works on positions independently, so a rank runs its
-own tokens through the same modules as one process (the position embedding
-reads their *global* positions) and only attention goes round the ring. A
-rank's loss is the sum over its tokens divided by all tokens of the batch, so
-the ranks' shares add up to the mean; the weights are replicated, and each
-gradient is summed over the ranks afterwards, as in data parallelism
-(``experiments.cp_checks.sum_grads``).
+Every layer but attention is position-wise, so a rank runs its own tokens through the same modules as one process (the
+position embedding reads their *global* positions) and only attention goes round the ring. A rank's loss is the sum over
+its tokens divided by all tokens of the batch, so the ranks' shares add up to the mean; the weights are replicated, and
+each gradient is summed over the ranks afterwards, as in data parallelism (``experiments.cp_checks.sum_grads``).
 """
 
 from __future__ import annotations
@@ -30,8 +27,7 @@ def attention_forward(attn: nn.Module, x: torch.Tensor, ring: Ring) -> torch.Ten
 
 
 def block_forward(block: nn.Module, x: torch.Tensor, ring: Ring) -> torch.Tensor:
-    """A ``models.TransformerBlock`` on this rank's positions ``x`` (``B, T/c, C``): attention over the ring,
-    every other layer position-wise, as in one process."""
+    """A ``models.TransformerBlock`` on this rank's positions ``x`` (``B, T/c, C``), its attention over the ring."""
     x = x + attention_forward(block.attn, block.ln1(x), ring)
     return x + block.mlp(block.ln2(x))
 
@@ -46,8 +42,7 @@ def model_forward(model: nn.Module, idx: torch.Tensor, ring: Ring) -> torch.Tens
 
 
 def cp_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, ring: Ring) -> torch.Tensor:
-    """This rank's share of the mean next-token loss of the batch ``x, y`` (whole sequences, every rank the same):
-    the sum over its tokens / all tokens of the batch. The shares of the ring's ranks add up to the mean."""
+    """This rank's share of the mean next-token loss of the batch ``x, y`` (whole sequences, every rank the same)."""
     local_x, local_y = (shard(t, ring.world, ring.rank, ring.layout) for t in (x, y))
     return cp_local_loss(model, local_x, local_y, ring, y.numel())
 

@@ -1,17 +1,13 @@
 """Ring attention: causal attention over ``c`` ranks that each hold ``T/c`` of the sequence (chapter 12).
 
-Only attention needs the other positions. The key/value blocks go round a ring
-of ranks, ``c - 1`` hops, and each rank merges the partial results of its
-queries against each block with the online softmax (``merge``): a partial
-result is an output ``o`` (normalised over its keys) and a log-sum-exp ``L``
-per row (Liu et al. 2023). The backward (FlashAttention's, Dao et al. 2022)
-rebuilds each block's probabilities from ``q``, ``k`` and the final ``L``: the
-K, V blocks go round again, and one message behind each its ``dK, dV`` sums,
-which take one more hop home. Every hop is posted before the tile it travels
-behind and waited for after it (only the last hop home has no tile to hide it).
-Under bf16 the scores, ``L`` and the sums are float32, as FlashAttention keeps
-them. Which positions a rank holds and which part of a block it computes:
-``layout``; the transformer around it: ``model``.
+Only attention needs the other positions. The key/value blocks go round a ring of ranks, ``c - 1`` hops, and each rank
+merges the partial results of its queries against each block with the online softmax (``merge``): a partial result is
+an output ``o`` (normalised over its keys) and a log-sum-exp ``L`` per row (Liu et al. 2023). The backward
+(FlashAttention's, Dao et al. 2022) rebuilds each block's probabilities from ``q``, ``k`` and the final ``L``: the K, V
+blocks go round again, and one message behind each its ``dK, dV`` sums, which take one more hop home. Every hop is
+posted before the tile it travels behind and waited for after it (only the last hop home has no tile to hide it).
+Under bf16 the scores, ``L`` and the sums are float32, as FlashAttention keeps them. Which positions a rank holds and
+which part of a block it computes: ``layout``; the transformer around it: ``model``.
 """
 
 from __future__ import annotations
@@ -180,12 +176,9 @@ def _merge_tile(o: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Te
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one tile's queries over its keys: ``(o, L)`` in the accumulation dtype; ``visible=None``: no mask.
-
-    A bf16 tile is computed in float32, its products too: scores rounded to bf16
-    would be off by up to ``2^-9 |s|`` before the exponential, and an ``L`` so
-    rounded weighs a block wrong by up to ``exp(2^-9 |L|)``. The cost: float32
-    matrix products (slower than bf16's on a GPU) and float32 copies of the tile.
-    """
+    A bf16 tile is computed in float32, its products too: scores rounded to bf16 would be off by up to ``2^-9 |s|``
+    before the exponential, and an ``L`` so rounded weighs a block wrong by up to ``exp(2^-9 |L|)``. The cost: float32
+    matrix products (slower than bf16's on a GPU) and float32 copies of the tile."""
     acc = accumulation_dtype(q.dtype)
     q, k, v = (t.to(acc) for t in (q, k, v))
     s = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
@@ -199,10 +192,8 @@ def attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch
                     delta: torch.Tensor, visible: torch.Tensor | None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One tile's terms of ``dq, dk, dv`` (its rows, its keys) in the accumulation dtype, from the *final* ``L``.
-
-    With ``P = exp(S - L)`` the tile's share of the full softmax and ``delta = rowsum(dO * O)``:
-    ``dV = P^T dO``, ``dS = P * (dO V^T - delta)``, ``dQ = dS K / sqrt(d)``, ``dK = dS^T Q / sqrt(d)``.
-    """
+    With ``P = exp(S - L)`` the tile's share of the full softmax and ``delta = rowsum(dO * O)``: ``dV = P^T dO``,
+    ``dS = P * (dO V^T - delta)``, ``dQ = dS K / sqrt(d)``, ``dK = dS^T Q / sqrt(d)``."""
     acc = accumulation_dtype(q.dtype)
     q, k, v, do = (t.to(acc) for t in (q, k, v, do))
     scale = 1.0 / math.sqrt(q.shape[-1])

@@ -1,13 +1,10 @@
 """BatchNorm whose statistics come from the batch on every rank, written by hand (chapter 07).
 
-With plain BatchNorm each rank normalises with the mean and variance of *its*
-slice of the batch: with N ranks of b samples, the statistics come from b
-samples, not N*b (chapter 04: small-batch statistics are noisy). SyncBatchNorm
-all-reduces the per-channel sums, so every rank normalises with the whole
-batch's statistics and the gradients equal a single process on the whole
-batch. ``torch.nn.SyncBatchNorm`` runs only on GPUs; on CPU ranks we use the
-few lines below, which do the same computation (``ddp_checks.batchnorm_checks``
-compares both with one process).
+With plain BatchNorm each rank normalises with the mean and variance of *its* slice of the batch: with N ranks of b
+samples, the statistics come from b samples, not N*b (chapter 04: small-batch statistics are noisy). SyncBatchNorm
+all-reduces the per-channel sums, so every rank normalises with the whole batch's statistics and the gradients equal a
+single process on the whole batch. ``torch.nn.SyncBatchNorm`` runs only on GPUs; on CPU ranks we use the few lines
+below, which do the same computation (``ddp_checks.batchnorm_checks`` compares both with one process).
 """
 
 from __future__ import annotations
@@ -26,11 +23,7 @@ class _AllReduceSum(torch.autograd.Function):
         dist.all_reduce(t)
         return t
 
-    @staticmethod
-    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        g = g.clone()
-        dist.all_reduce(g)
-        return g
+    backward = forward  # the same all-reduce, of the gradient
 
 
 class SyncBatchNorm2dByHand(nn.BatchNorm2d):

@@ -7,9 +7,8 @@ else (the router here). Each rank routes its own tokens (``moe.route``); ``Exper
 4. **combines**: the reverse all-to-all brings every output row home, where it is gated and summed per token as in
 one process. The backward of an all-to-all is the all-to-all with the splits swapped (``_AllToAll``). Expert
 gradients arrive complete; the replicated router's are partial sums, all-reduced as in data parallelism (with
-EP x DP the experts' over their DP group only). The load-balancing loss is the group's
-(``group_load_balancing_loss``). Bytes per rank, layer and all-to-all under even routing:
-``(e-1)/e * k T_r * d_model * b``.
+EP x DP the experts' over their DP group only). The load-balancing loss is the group's (``group_load_balancing_loss``).
+Bytes per rank, layer and all-to-all under even routing: ``(e-1)/e * k T_r * d_model * b``.
 """
 
 from __future__ import annotations
@@ -26,12 +25,10 @@ from course_lib.moe import MoEMLP, Routing, expert_batches, expert_counts, queue
 
 class ExpertParallelMoE(nn.Module):
     """This rank's part of a ``MoEMLP`` on an EP group: the router copied, experts ``shard*E/e .. (shard+1)*E/e``.
-
     ``forward`` keeps ``routing`` and ``aux_loss`` (as ``MoEMLP`` does, but over the whole EP group's tokens:
-    ``group_load_balancing_loss``). Each rank adds ``alpha * aux_loss`` to its loss; the router's gradients,
-    summed over the ranks, are then the one-process layer's (averaged over ``e`` ranks instead, the aux term's
-    would be ``1/e`` of it). ``a2a="torch"``: torch's differentiable all-to-all (``torch.distributed.nn``).
-    """
+    ``group_load_balancing_loss``). Each rank adds ``alpha * aux_loss`` to its loss; the router's gradients, summed
+    over the ranks, are then the one-process layer's (averaged over ``e`` ranks instead, the aux term's would be
+    ``1/e`` of it). ``a2a="torch"``: torch's differentiable all-to-all (``torch.distributed.nn``)."""
 
     def __init__(self, moe: MoEMLP, group: dist.ProcessGroup | None = None, a2a: str = "by_hand"):
         super().__init__()
@@ -121,23 +118,19 @@ def exchange_counts(counts: torch.Tensor, ep: int, group: dist.ProcessGroup | No
 def group_load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor,
                               group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Switch's ``E * sum_i f_i P_i`` over the tokens of all of ``group``'s ranks; the gradient of this rank's.
-
-    ``probs``: this rank's ``(T_r, E)`` router softmax; ``first_choice``: its ``(T_r,)`` first-choice expert ids.
-    The value is ``moe.load_balancing_loss`` on all the group's tokens (computed in at least float32). The gradient
-    reaches this rank's router through this rank's ``P_i`` sums only; summed over the group's ranks it is the
-    one-process gradient (``f_i`` carries none, as in one process).
-    """
+    ``probs``: this rank's ``(T_r, E)`` router softmax; ``first_choice``: its ``(T_r,)`` first-choice expert ids. The
+    value is ``moe.load_balancing_loss`` on all the group's tokens; the gradient reaches this rank's router through its
+    own ``P_i`` sums only (``f_i`` carries none), and summed over the ranks is the one-process gradient."""
     n_experts = probs.shape[-1]
     # at least float32: in bf16 a count above 256 is no longer a whole number
     dtype = torch.promote_types(probs.dtype, torch.float32)
     mine = probs.to(dtype).sum(0)  # this rank's sum of each expert's probability
     stats = torch.cat([expert_counts(first_choice, n_experts).to(dtype), mine.detach(),
                        mine.new_full((1,), first_choice.numel())])
-    # One all-reduce of detached numbers, not torch.distributed.nn's differentiable all_reduce: that one's
-    # backward all-reduces the gradient as well, so every rank's router would get the gradient of all the group's
-    # tokens and the sum over ranks, which the router's gradient sync takes, would be e times the one-process
-    # gradient. Here the other ranks' sums enter as constants and this rank's own sum carries the gradient: no
-    # collective in the backward. Cost: 2E + 1 numbers per forward, one latency-bound message.
+    # One all-reduce of detached numbers, not torch.distributed.nn's differentiable all_reduce: that one's backward
+    # all-reduces the gradient as well, so every rank's router would get the gradient of all the group's tokens, and
+    # after the router's gradient sync (a sum over ranks) e times the one-process gradient. Here the other ranks' sums
+    # enter as constants: no collective in the backward. Cost: 2E + 1 numbers per forward, one latency-bound message.
     all_reduce(stats, group=group)
     counts, sums, n = stats[:n_experts], stats[n_experts:2 * n_experts], stats[-1]
     f = counts / n  # no gradient
@@ -159,8 +152,8 @@ def bytes_per_layer(tokens: int, d_model: int, k: int, ep: int, elem_bytes: int 
 
 def dispatch_buffer_bytes(tokens: int, d_model: int, k: int, capacity_factor: float | None = None,
                           elem_bytes: int = 4) -> float:
-    """Bytes of one dispatch buffer on a rank: ``k T_r d b`` rows of even routing, or with fixed shapes
-    padded to the capacity, ``E C d b ~ capacity_factor k T_r d b``."""
+    """Bytes of one dispatch buffer on a rank: ``k T_r d b`` rows of even routing, or with fixed shapes padded to the
+    capacity, ``E C d b ~ capacity_factor k T_r d b``."""
     rows = k * tokens if capacity_factor is None else capacity_factor * k * tokens
     return rows * d_model * elem_bytes
 

@@ -34,8 +34,7 @@ def flag_group() -> dist.ProcessGroup | None:
 class GuardedZeroOptimizer(ZeroOptimizer):
     """``ZeroOptimizer`` whose ranks agree on what each backward did; ``control_calls`` counts the flag all-reduces.
     Stage 2 spends two per backward and one per ``step`` or ``clip_grad_norm_``, plus two for each backward of
-    another rank that it joins (the question, and the end). Stage 1 needs none: its collectives all run in ``step``.
-    """
+    another rank that it joins (the question, and the end). Stage 1 needs none: its collectives all run in ``step``."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

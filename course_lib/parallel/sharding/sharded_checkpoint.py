@@ -1,14 +1,13 @@
 """Sharded checkpoints of an FSDP2 model with ``torch.distributed.checkpoint`` (DCP), chapter 09.
 
-Each rank writes only its own shards (``__<rank>_<k>.distcp`` files) and the coordinator writes ``.metadata``
-last, which says where every piece of every tensor lives. Loading reads the pieces each rank needs *at the
-loader's world size*, so a checkpoint saved on 2 ranks loads on 1 or 4.
+Each rank writes only its own shards (``__<rank>_<k>.distcp`` files) and the coordinator writes ``.metadata`` last,
+which says where every piece of every tensor lives. Loading reads the pieces each rank needs *at the loader's world
+size*, so a checkpoint saved on 2 ranks loads on 1 or 4.
 
-What a crash costs: a folder without ``.metadata`` cannot be loaded, but DCP would happily overwrite an older
-checkpoint in the same folder. So every checkpoint is written into ``step_NNNNNN.partial`` and renamed to
-``step_NNNNNN`` when complete; ``rename`` is atomic on POSIX file systems, so a checkpoint folder either is
-complete or does not exist under that name, and a crash during a save loses only that save.
-(Chapter 09 crashes, resumes and reshards a run with these three functions: ``checkpoint_runs`` in the experiments.)
+What a crash costs: a folder without ``.metadata`` cannot be loaded, yet DCP would overwrite an older checkpoint in the
+same folder. So each checkpoint is written into ``step_NNNNNN.partial`` and renamed to ``step_NNNNNN`` when complete:
+``rename`` is atomic on POSIX file systems, so a crash during a save loses only that save. (Chapter 09 crashes,
+resumes and reshards a run with these three functions: ``checkpoint_runs`` in the experiments.)
 """
 
 from __future__ import annotations

@@ -1,14 +1,13 @@
 """ZeroOptimizer's flat layout: which parameters share which bucket, and each rank's shard (chapter 09).
 
-Every trainable parameter becomes a view into one flat buffer, cut into buckets as DDP's gradients are
-(``ddp.assign_buckets``): the parameters in reverse order, the order the backward produces their gradients, at
-most ``bucket_cap_mb`` per bucket. Each bucket is padded to a multiple of N, the number of ranks, so that it
-splits into N equal slices ("slots" elements each), what reduce-scatter and all-gather need; rank r owns slice r
-of every bucket (``zero.shard_bounds``, bucket by bucket).
+Every trainable parameter becomes a view into one flat buffer, cut into buckets as ``ddp.assign_buckets`` cuts DDP's
+gradients: in reverse order (the order the backward produces them), at most ``bucket_cap_mb`` per bucket. Each bucket is
+padded to a multiple of the N ranks, so that it splits into N equal slices of ``slots`` elements, as reduce-scatter and
+all-gather need; rank r owns slice r of every bucket (``zero.shard_bounds``, bucket by bucket).
 
-What it costs: at most N-1 padding elements per bucket (zero gradients, zero updates), and one collective per
-bucket in each reduce-scatter and all-gather: small buckets mean many collectives, each with a fixed overhead.
-Why buckets at all: stage 2 can send one bucket while the backward fills the next.
+What it costs: at most N-1 padding elements per bucket (zero gradients, zero updates), and one collective per bucket in
+each reduce-scatter and all-gather: small buckets mean many collectives, each with a fixed overhead. Why buckets at
+all: stage 2 can send one bucket while the backward fills the next.
 """
 
 from __future__ import annotations

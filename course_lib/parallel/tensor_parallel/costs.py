@@ -21,23 +21,17 @@ def _check_sizes(**sizes: int) -> None:
 
 
 def block_param_split(h: int) -> tuple[int, int]:
-    """(parameters TP splits, parameters every TP rank keeps whole) of one block of width h.
-
-    Split: QKV 3h² + 3h, output projection h², MLP 4h² + 4h and 4h²: 12h² + 7h.
-    Whole: the two LayerNorms (4h) and the row-parallel biases (2h): 6h.
-    """
+    """(parameters TP splits, parameters every TP rank keeps whole) of one block of width h. Split: QKV 3h² + 3h, output
+    projection h², MLP 4h² + 4h and 4h² (12h² + 7h). Whole: the two LayerNorms 4h, the row-parallel biases 2h (6h)."""
     _check_sizes(h=h)
     return 12 * h * h + 7 * h, 6 * h
 
 
-def state_bytes_per_rank(split_params: float, whole_params: float, tp: int = 1, dp: int = 1,
-                         zero_stage: int = 3, param_bytes: int = 4, grad_bytes: int = 4,
-                         optimizer_bytes: int = 8) -> dict[str, float]:
-    """Bytes of ``params``, ``grads``, ``optimizer`` one rank holds on a dp x tp mesh.
-
-    Each TP rank holds ``split_params / tp + whole_params`` parameters; ZeRO ``zero_stage`` over the ``dp`` ranks
-    divides those (3 = FSDP). Defaults: fp32 Adam, 4 + 4 + 8 bytes per parameter (``zero.zero_bytes_per_rank``).
-    """
+def state_bytes_per_rank(split_params: float, whole_params: float, tp: int = 1, dp: int = 1, zero_stage: int = 3,
+                         param_bytes: int = 4, grad_bytes: int = 4, optimizer_bytes: int = 8) -> dict[str, float]:
+    """Bytes of ``params``, ``grads``, ``optimizer`` one rank holds on a dp x tp mesh: each TP rank holds
+    ``split_params / tp + whole_params`` parameters; ZeRO ``zero_stage`` over the ``dp`` ranks divides those (3 = FSDP).
+    Defaults: fp32 Adam, 4 + 4 + 8 bytes per parameter (``zero.zero_bytes_per_rank``)."""
     _check_sizes(tp=tp, dp=dp)
     per_tp_rank = split_params / tp + whole_params
     return zero_bytes_per_rank(per_tp_rank, dp, zero_stage, param_bytes, grad_bytes, optimizer_bytes)
@@ -46,14 +40,12 @@ def state_bytes_per_rank(split_params: float, whole_params: float, tp: int = 1, 
 def activation_bytes_per_layer(s: int, b: int, h: int, a: int, tp: int = 1, sequence_parallel: bool = False,
                                act_bytes: int = 2, mask_bytes: int = 1, dropout: bool = True,
                                regather: bool = True) -> float:
-    """Bytes one rank saves for the backward of one transformer layer (Korthikanti et al. 2022, Table 2).
-
-    Defaults give the paper's 34sbh + 5as²b at t = 1, sbh(10 + 24/t + 5as/ht) under TP (all but the 10sbh of
-    the LayerNorm regions divided by t) and sbh/t (34 + 5as/h) under TP + SP. ``act_bytes``: bytes per saved
-    element (4 in fp32). ``dropout=False``: a layer without dropout (the course's blocks): no masks, no
-    dropped-out attention copy. ``regather=False``: the sequence-parallel linears save their gathered input, t
-    times the shard, as torch's ``SequenceParallel`` does; the paper (and Megatron-LM) save the shard.
-    """
+    """Bytes one rank saves for the backward of one transformer layer (Korthikanti et al. 2022, Table 2). Defaults give
+    the paper's 34sbh + 5as²b at t = 1, sbh(10 + 24/t + 5as/ht) under TP (all but the 10sbh of the LayerNorm regions
+    divided by t) and sbh/t (34 + 5as/h) under TP + SP. ``act_bytes``: bytes per saved element (4 in fp32).
+    ``dropout=False``: a layer without dropout (the course's blocks): no masks, no dropped-out attention copy.
+    ``regather=False``: the sequence-parallel linears save their gathered input, t times the shard, as torch's
+    ``SequenceParallel`` does; the paper (and Megatron-LM) save the shard."""
     _check_sizes(s=s, b=b, h=h, a=a, tp=tp)
     sbh = s * b * h
     norms = 2 * sbh * act_bytes                     # the inputs of the two LayerNorms
@@ -78,12 +70,10 @@ def norm_stats_bytes(s: int, b: int, tp: int = 1, sequence_parallel: bool = Fals
 
 def saved_fraction_per_rank(s: int, h: int, a: int, tp: int, sequence_parallel: bool = False, act_bytes: int = 4,
                             dropout: bool = False, regather: bool = False) -> float:
-    """The share of what one layer saves per sequence that each of ``tp`` ranks keeps (1 at ``tp = 1``).
-
-    Table 2's terms and the LayerNorms' statistics (``act_bytes`` each), per sequence; the causal mask (s² bytes
-    a layer saves once per micro-batch, whole on every rank) is not per sequence, so not in it. The defaults: the
-    course's block in fp32 under torch's ``SequenceParallel`` (no dropout, gathered inputs saved).
-    """
+    """The share of what one layer saves per sequence that each of ``tp`` ranks keeps (1 at ``tp = 1``): Table 2's
+    terms and the LayerNorms' statistics (``act_bytes`` each); the causal mask (s² bytes a layer saves once per
+    micro-batch, whole on every rank) is not per sequence, so not in it. The defaults: the course's block in fp32
+    under torch's ``SequenceParallel`` (no dropout, gathered inputs saved)."""
     def per_rank(t: int) -> float:
         return (activation_bytes_per_layer(s, 1, h, a, t, sequence_parallel, act_bytes, dropout=dropout,
                                            regather=regather)
@@ -102,12 +92,10 @@ def collectives_per_layer(sequence_parallel: bool = False, regather: bool = True
 
 def comm_bytes_per_layer(s: int, b: int, h: int, tp: int, sequence_parallel: bool = False,
                          regather: bool = True, act_bytes: int = 2) -> dict[str, float]:
-    """Bytes one rank sends per layer per micro-batch (forward + backward), ring algorithm, by collective.
-
-    Every collective moves one (s, b, h) activation: an all-reduce sends 2(t-1)/t of it, an all-gather or a
-    reduce-scatter (t-1)/t; SP's pair sends what TP's all-reduce does. Not included: under SP, the once-per-step
-    sum of the replicated parameters' gradients (6h per layer: ``block_param_split``).
-    """
+    """Bytes one rank sends per layer per micro-batch (forward + backward), ring algorithm, by collective. Every
+    collective moves one (s, b, h) activation: an all-reduce sends 2(t-1)/t of it, an all-gather or a reduce-scatter
+    (t-1)/t; SP's pair sends what TP's all-reduce does. Not included: under SP, the once-per-step sum of the replicated
+    parameters' gradients (6h per layer: ``block_param_split``)."""
     _check_sizes(s=s, b=b, h=h, tp=tp)
     activation = s * b * h * act_bytes
     return {op: (fwd + bwd) * ring_factor(op, tp) * activation
@@ -120,13 +108,10 @@ def layer_flops(s: int, b: int, h: int) -> float:
     return 3 * (24 * b * s * h * h + 4 * b * s * s * h)
 
 
-def comm_over_compute(s: int, h: int, tp: int, flops_per_s: float, bytes_per_s: float,
-                      act_bytes: int = 2) -> float:
-    """Seconds of TP's collectives per second of matmuls in one layer, on devices of the given speeds.
-
-    Both grow like s·b, so the batch cancels: a larger batch cannot hide TP's traffic behind more compute (data
-    parallelism's gradient all-reduce is once per step and can). ``bytes_per_s``: what one rank sends per second.
-    """
+def comm_over_compute(s: int, h: int, tp: int, flops_per_s: float, bytes_per_s: float, act_bytes: int = 2) -> float:
+    """Seconds of TP's collectives per second of matmuls in one layer, on devices of the given speeds. Both grow like
+    s·b, so the batch cancels: a larger batch cannot hide TP's traffic behind more compute (data parallelism's
+    gradient all-reduce is once per step and can). ``bytes_per_s``: what one rank sends per second."""
     comm_s = sum(comm_bytes_per_layer(s, 1, h, tp, act_bytes=act_bytes).values()) / bytes_per_s
     compute_s = layer_flops(s, 1, h) / tp / flops_per_s
     return comm_s / compute_s
@@ -134,11 +119,9 @@ def comm_over_compute(s: int, h: int, tp: int, flops_per_s: float, bytes_per_s: 
 
 def vocab_parallel_bytes(s: int, b: int, h: int, tp: int, act_bytes: int = 2) -> dict[str, float]:
     """Bytes one rank sends per micro-batch for the vocabulary split (``vocab_parallel``), by part, ring algorithm.
-
-    ``embedding``: ``g``'s all-reduce of the (s, b, h) embeddings, forward. ``head``: ``f``'s all-reduce of the
-    head input's gradient, backward. ``loss``: three all-reduces of s·b numbers (the max, the target's logit,
-    the sum of exp), forward; its backward sends nothing.
-    """
+    ``embedding``: ``g``'s all-reduce of the (s, b, h) embeddings, forward. ``head``: ``f``'s all-reduce of the head
+    input's gradient, backward. ``loss``: three all-reduces of s·b numbers (the max, the target's logit, the sum of
+    exp), forward; its backward sends nothing."""
     _check_sizes(s=s, b=b, h=h, tp=tp)
     all_reduce = ring_factor("all_reduce", tp) * act_bytes
     return {"embedding": all_reduce * s * b * h, "head": all_reduce * s * b * h, "loss": 3 * all_reduce * s * b}

@@ -1,36 +1,28 @@
 """Sequence parallelism (chapter 10): the LayerNorm regions of a tensor-parallel block split on the sequence.
 
 Plain tensor parallelism keeps the LayerNorms and the residual adds whole on every rank: t copies of the same
-activations. Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", section
-4.2.2) cut those regions along the sequence: ``g``'s all-reduce becomes a reduce-scatter (each rank keeps its rows
-of the sum) and ``f`` an all-gather, their conjugates in the backward. An all-reduce *is* a reduce-scatter then an
-all-gather, so the bytes stay the same and those activations fall to 1/t. The pair is written beside f and g, as
-the same ``layers.Conjugate``: ``layers.gather_from_sequence`` and ``layers.reduce_scatter_to_sequence``; the
-parallel linears use them when built with ``sequence_parallel=True``. ``_GatherLinear`` goes further, as
-Megatron-LM does: it saves this rank's shard of a column-parallel linear's input and gathers it again in the
-backward.
+activations. Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", section 4.2.2)
+cut those regions along the sequence: ``g``'s all-reduce becomes a reduce-scatter (each rank keeps its rows of the sum)
+and ``f`` an all-gather, their conjugates in the backward. An all-reduce *is* a reduce-scatter then an all-gather, so
+the bytes stay the same and those activations fall to 1/t. The pair is written beside f and g, as the same
+``layers.Conjugate``: ``layers.gather_from_sequence`` and ``layers.reduce_scatter_to_sequence``; the parallel linears
+use them when built with ``sequence_parallel=True``. ``_GatherLinear`` goes further, as Megatron-LM does: it saves this
+rank's shard of a column-parallel linear's input and gathers it again in the backward.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
-
-if TYPE_CHECKING:
-    from course_lib.parallel.tensor_parallel.layers import TPGroup
 
 SEQ = 1  # the sequence dimension of (batch, sequence, features)
 
 
 class _GatherLinear(torch.autograd.Function):
-    """All-gather the sequence, then a linear layer, saving only this rank's shard of the input.
-
-    Autograd would save the gathered input, t times the shard. Megatron-LM saves the shard and gathers it again in
-    the backward (its ``LinearWithGradAccumulationAndAsyncCommunication``): one more all-gather per linear per step
-    (which it overlaps with the gradient matmul), for the 1/t activation memory of Korthikanti et al.'s Table 2.
-    """
+    """All-gather the sequence, then a linear layer, saving only this rank's shard of the input. Autograd would save
+    the gathered input, t times the shard. Megatron-LM saves the shard and gathers it again in the backward (its
+    ``LinearWithGradAccumulationAndAsyncCommunication``): one more all-gather per linear per step (which it overlaps
+    with the gradient matmul), for the 1/t activation memory of Korthikanti et al.'s Table 2."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, tp):

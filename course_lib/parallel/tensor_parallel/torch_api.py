@@ -18,20 +18,15 @@ from course_lib.models import TinyTransformer
 
 
 def block_plan(sequence_parallel: bool = False, keep_dtensor: bool = True) -> dict:
-    """The plan of one ``TransformerBlock``: ``ColwiseParallel`` cuts ``attn.qkv``'s rows into whole heads.
-
-    Colwise/Rowwise pairs give Megatron's TP. With ``sequence_parallel`` the LayerNorms run on sequence shards
-    (``SequenceParallel``); before attention and MLP the shard is gathered (``PrepareModuleInput``: Shard(1) ->
-    Replicate, an all-gather) and the row-parallel outputs are reduce-scattered back to shards
-    (``output_layouts=Shard(1)``). ``keep_dtensor``: the gathered input stays a DTensor. Turned into a plain
-    tensor (``keep_dtensor=False``), its gradient must be whole on every rank when it re-enters DTensor: an
-    all-reduce where a reduce-scatter would do.
-    """
+    """The plan of one ``TransformerBlock``; Colwise/Rowwise pairs give Megatron's TP. Under ``sequence_parallel`` the
+    LayerNorms run on sequence shards (``SequenceParallel``); before attention and MLP the shard is all-gathered
+    (``PrepareModuleInput``: Shard(1) -> Replicate), and the row-parallel outputs are reduce-scattered back to shards
+    (``output_layouts=Shard(1)``). ``keep_dtensor``: the gathered input stays a DTensor; as a plain tensor (``False``)
+    its gradient must be whole on every rank as it re-enters DTensor: an all-reduce where a reduce-scatter would do."""
     if not sequence_parallel:
         return {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
                 "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
-    gather = dict(input_layouts=(Shard(SEQ),), desired_input_layouts=(Replicate(),),
-                  use_local_output=not keep_dtensor)
+    gather = dict(input_layouts=(Shard(SEQ),), desired_input_layouts=(Replicate(),), use_local_output=not keep_dtensor)
     return {"ln1": SequenceParallel(), "attn": PrepareModuleInput(**gather),
             "attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(output_layouts=Shard(SEQ)),
             "ln2": SequenceParallel(), "mlp": PrepareModuleInput(**gather),
@@ -39,13 +34,11 @@ def block_plan(sequence_parallel: bool = False, keep_dtensor: bool = True) -> di
 
 
 def parallelize(model: TinyTransformer, mesh, sequence_parallel: bool = False) -> TinyTransformer:
-    """TP (and SP) over ``mesh["tp"]`` inside every block, then FSDP2 over ``mesh["dp"]``; in place.
-
-    Order matters (as in torchtitan): TP first turns the block weights into DTensors on the TP mesh;
-    ``fully_shard`` then shards each rank's TP shard again along dimension 0 over the data-parallel ranks. The
-    embedding and the head stay whole on every TP rank (sharded over dp only). Under SP the embedding's output is
-    cut into sequence shards (no communication: every TP rank holds it whole) and gathered again before the head.
-    """
+    """TP (and SP) over ``mesh["tp"]`` inside every block, then FSDP2 over ``mesh["dp"]``; in place. Order matters (as
+    in torchtitan): TP first turns the block weights into DTensors on the TP mesh; ``fully_shard`` then shards each
+    rank's TP shard again along dimension 0 over the data-parallel ranks. The embedding and the head stay whole on every
+    TP rank (sharded over dp only). Under SP the embedding's output is cut into sequence shards (no communication: every
+    TP rank holds it whole) and gathered again before the head."""
     from torch.distributed.fsdp import fully_shard
 
     tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
@@ -66,12 +59,10 @@ def parallelize(model: TinyTransformer, mesh, sequence_parallel: bool = False) -
 
 
 def reduce_partial_grads(model: nn.Module) -> int:
-    """Sum, once, every gradient that is still a partial sum over ranks; return how many there were.
-
-    Under SP the LayerNorms see one sequence shard per rank: their gradients are DTensors placed ``Partial``. FSDP2
-    sums them in its gradient reduction; without FSDP they would reach the optimizer partial, and Adam would
-    all-reduce one each time it reads it (the chapter measures how often).
-    """
+    """Sum, once, every gradient that is still a partial sum over ranks; return how many there were. Under SP the
+    LayerNorms see one sequence shard per rank: their gradients are DTensors placed ``Partial``. FSDP2 sums them in its
+    gradient reduction; without FSDP they would reach the optimizer partial, and Adam would all-reduce one each time it
+    reads it (the chapter measures how often)."""
     count = 0
     for p in model.parameters():
         g = p.grad

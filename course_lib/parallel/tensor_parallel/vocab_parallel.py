@@ -1,15 +1,14 @@
 """The vocabulary split over the ranks (chapter 10): Megatron-LM's embedding and cross-entropy by hand.
 
-The LM head is a model's largest matrix, (V, h) with V of 32k-256k, and its logits the largest activation,
-(B, T, V). Split them over the vocabulary: rank r holds rows ``[r V/t, (r+1) V/t)`` of the embedding and of
-the head (a ``ColumnParallelLinear``, which gives rank r its (B, T, V/t) slice of the logits).
+The LM head is a model's largest matrix, (V, h) with V of 32k-256k, and its logits the largest activation, (B, T, V).
+Split them over the vocabulary: rank r holds rows ``[r V/t, (r+1) V/t)`` of the embedding and of the head (a
+``ColumnParallelLinear``, which gives rank r its (B, T, V/t) slice of the logits).
 
-- ``VocabParallelEmbedding``: an id outside this rank's rows reads zeros; ``g``'s all-reduce then gives
-  every rank the one row that some rank holds.
-- ``vocab_parallel_cross_entropy``: ``log softmax`` needs the max and the sum of exp over all V columns.
-  Each is a local reduction plus an all-reduce of (B, T) numbers; so is the target's logit, which only
-  its owner holds (the others add 0). Three all-reduces of B*T scalars instead of gathering B*T*V logits;
-  the backward (softmax minus one-hot, on this rank's columns) sends nothing.
+- ``VocabParallelEmbedding``: an id outside this rank's rows reads zeros; ``g``'s all-reduce then gives every rank
+  the one row that some rank holds.
+- ``vocab_parallel_cross_entropy``: three all-reduces of B*T scalars (the max and the sum of exp over all V columns, the
+  target's logit from the rank that holds it) instead of gathering B*T*V logits; the backward (softmax minus one-hot, on
+  this rank's columns) sends nothing.
 """
 
 from __future__ import annotations
@@ -32,11 +31,9 @@ def vocab_range(vocab: int, tp: TPGroup) -> tuple[int, int]:
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rank r keeps rows ``vocab_range`` of ``full``; the lookup is masked, then summed over the ranks.
-
-    Input: the full (B, T) ids, the same on every rank; output: the full (B, T, h) embeddings. The backward
-    is ``g``'s identity: each rank's rows get the gradient of the positions that read them, no message.
-    """
+    """Rank r keeps rows ``vocab_range`` of ``full``; the lookup is masked, then summed over the ranks. Input: the
+    full (B, T) ids, the same on every rank; output: the full (B, T, h) embeddings. The backward is ``g``'s identity:
+    each rank's rows get the gradient of the positions that read them, no message."""
 
     def __init__(self, full: nn.Embedding, tp: TPGroup):
         super().__init__()
@@ -82,9 +79,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    """Per-token ``-log p(target)`` from this rank's ``(..., V/t)`` slice of the logits and the full targets.
-
-    ``.mean()`` of it is ``F.cross_entropy`` of the whole logits; the whole logits never exist on any rank.
-    """
+    """Per-token ``-log p(target)`` from this rank's ``(..., V/t)`` slice of the logits and the full targets;
+    ``.mean()`` of it is ``F.cross_entropy`` of the whole logits, which never exist on any rank."""
     flat = logits.reshape(-1, logits.shape[-1])
     return _VocabParallelCrossEntropy.apply(flat, targets.reshape(-1), tp).view(targets.shape)
