@@ -1,17 +1,14 @@
 """One rank running any pipeline schedule written as data (chapter 08): GPipe, 1F1B, interleaved, ZB-H1.
 
-``run_stage`` walks this rank's op list from ``schedules.make_schedule``. ``("F", i)`` receives micro-batch ``i``'s
-activation (the first stage reads the input), runs the stage keeping its graph and sends the output on (the last
-stage computes the loss); ``("B", i)`` receives the output's gradient, back-propagates and sends the input's gradient
-back; ``("W", i)`` (zero bubble) computes the weight gradients its ``B`` left (``split_backward``); ``("F", i, c)``
-(interleaved) runs model chunk ``c``, virtual stage ``c p + rank``. ``gpipe_1f1b`` writes out two of these.
+``run_stage`` walks this rank's op list from ``schedules.make_schedule``: ``("F", i)`` and ``("B", i)`` are
+``gpipe_1f1b``'s forward and backward of micro-batch ``i`` (receive, compute, send); ``("W", i)`` (zero bubble)
+computes the weight gradients its ``B`` left (``split_backward``); ``("F", i, c)`` (interleaved) runs model chunk
+``c``, virtual stage ``c p + rank``.
 
 Between two ops a rank posts one batch of messages (``message_batches``): the send of the op just finished and the
 receive of the next. It waits only for the receive, so a schedule the simulator can play cannot deadlock here, and
-it keeps each sent tensor only until a later message proves that the peer has it (``send_releases``).
-
-A stage whose order holds no backward (a frozen prefix, ``freeze``) keeps no graph, and a received activation asks
-for a gradient only if the schedule sends one back. ``Watch`` is where the experiments plug in their instruments.
+it keeps each sent tensor only until a later message proves that the peer has it (``send_releases``). A stage
+without backward (a frozen prefix, ``freeze``) keeps no graph. ``Watch`` is where the experiments plug in.
 """
 
 from __future__ import annotations
@@ -152,8 +149,8 @@ class Mailbox:
         self.watch = watch or Watch()
 
     def exchange(self, k: int, outgoing: torch.Tensor | None, into: torch.Tensor | None = None) -> None:
-        """Post batch ``k``: ``outgoing`` (op ``k - 1``'s result) and op ``k``'s receive into ``into``. Waits for
-        the receive only (the rank idles here); the send completes in the background."""
+        """Post batch ``k`` (``outgoing``: op ``k - 1``'s result; ``into``: op ``k``'s receive); wait for the receive
+        only (the rank idles here), the send completes in the background."""
         sends, recvs = self.batches[k]
         ex = comm.exchange([comm.Message(outgoing, self.ranks[q], tag) for q, tag in sends],
                            [comm.Message(into, self.ranks[q], tag) for q, tag in recvs])

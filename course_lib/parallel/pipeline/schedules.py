@@ -36,8 +36,7 @@ def _check_sizes(num_stages: int, num_microbatches: int, chunks: int = 1, stage:
 def gpipe_order(num_stages: int, num_microbatches: int, stage: int) -> list[Op]:
     """GPipe (all-forward-all-backward) order of one stage: F0..F(m-1), then B0..B(m-1)."""
     _check_sizes(num_stages, num_microbatches)
-    m = num_microbatches
-    return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    return [("F", i) for i in range(num_microbatches)] + [("B", i) for i in range(num_microbatches)]
 
 
 def one_f_one_b_order(num_stages: int, num_microbatches: int, stage: int) -> list[Op]:
@@ -55,15 +54,11 @@ def one_f_one_b_order(num_stages: int, num_microbatches: int, stage: int) -> lis
 
 
 def zero_bubble_h1_order(num_stages: int, num_microbatches: int, stage: int) -> list[Op]:
-    """ZB-H1 order of one stage (Qi et al. 2024): 1F1B with the backward split into ``B`` and ``W``.
-
-    ``B`` (the input gradient, which the stage before waits for) runs as in 1F1B; ``W`` (the weight gradient)
-    waits for nobody. Stage ``s`` runs the ``W`` of its ``k``-th backward after its ``(k + s)``-th ``B``: later
-    stages keep more ``W`` in reserve to fill the cool-down. Every stage holds ``min(p, m)`` micro-batches (1F1B's
-    first stage's most), and with ``t_F = t_B = t_W`` the idle time falls to a third of 1F1B's.
-    """
-    # Postponing by s backwards fills the cool-down exactly when t_F = t_B = t_W (the simulator checks: idle time
-    # (p - 1) t_F per stage, for m >= p).
+    """ZB-H1 order of one stage (Qi et al. 2024): ``B`` (the input gradient, which the stage before waits for) runs
+    as in 1F1B; ``W`` (the weight gradient) waits for nobody. Stage ``s`` runs the ``W`` of its ``k``-th backward
+    after its ``(k + s)``-th ``B``: later stages keep more ``W`` in reserve, which fills the cool-down exactly when
+    ``t_F = t_B = t_W`` (idle time ``(p - 1) t_F`` per stage for ``m >= p``, a third of 1F1B's; the simulator
+    checks). Every stage holds ``min(p, m)`` micro-batches (1F1B's first stage's most)."""
     order: list[Op] = []
     backwards: list[int] = []
     for op, i in one_f_one_b_order(num_stages, num_microbatches, stage):
@@ -77,11 +72,9 @@ def zero_bubble_h1_order(num_stages: int, num_microbatches: int, stage: int) -> 
 
 def interleaved_order(num_stages: int, num_microbatches: int, stage: int, chunks: int = 2) -> list[Op]:
     """Interleaved 1F1B order of one device holding ``chunks`` model chunks (Narayanan et al. 2021, 2.2).
-
     Micro-batches go in groups of ``p``: the forwards of one group on chunk 0, then on chunk 1, ..., then the next
-    group; backwards the same, chunks in reverse. Device ``d`` runs ``2 (p - d - 1) + (v - 1) p`` warm-up
-    forwards (enough to stay busy until its first backward can arrive), then alternates, then drains.
-    """
+    group; backwards the same, chunks in reverse. Device ``d`` runs ``2 (p - d - 1) + (v - 1) p`` warm-up forwards
+    (enough to stay busy until its first backward can arrive), then alternates, then drains."""
     _check_sizes(num_stages, num_microbatches, chunks, stage)
     p, m, v = num_stages, num_microbatches, chunks
     if m % p:
