@@ -57,14 +57,11 @@ def boundary_shapes(stages: Sequence[nn.Module], sample: torch.Tensor) -> list[S
 
 # ----------------------------------------------------------------------------- who sends what to whom, and when
 
-def op_links(op: tuple, rank: int, world: int, chunks: int = 1,
-             frozen: int = 0) -> tuple[Link | None, Link | None]:
+def op_links(op: tuple, rank: int, world: int, chunks: int = 1, frozen: int = 0) -> tuple[Link | None, Link | None]:
     """What one op receives before it runs and sends after: ``(recv, send)``, ``None`` where it has none.
-
     ``chunks = v``: the op's chunk ``c`` is virtual stage ``c p + rank`` of ``p v``. ``frozen``: the first stages
     run forwards only (``schedules.frozen_prefix``); the first trainable one sends no gradient. One tag per
-    (micro-batch, direction, receiving chunk): with one chunk, ``2 i + backward``.
-    """
+    (micro-batch, direction, receiving chunk): with one chunk, ``2 i + backward``."""
     kind, i, c = op_triple(op)
     if kind == "W":
         return None, None                        # the weight gradient stays on the rank

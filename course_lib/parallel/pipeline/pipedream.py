@@ -104,11 +104,9 @@ def run_pipedream(stage: nn.Module, stash: WeightStash, rank: int, world: int, n
                   inputs: Sequence[torch.Tensor] | None = None, targets: Sequence[torch.Tensor] | None = None,
                   loss_fn: LossFn | None = None, device: torch.device | str = "cpu",
                   watch: Watch | None = None) -> list[float]:
-    """One rank of PipeDream over a stream of ``n`` micro-batches; returns the last stage's losses.
-
-    The messages are ``executor.run_stage``'s (a ``Mailbox`` over ``async_order``); what differs is the forward,
-    on micro-batch ``i``'s stashed weights (``torch.func.functional_call``), and the step after each backward.
-    """
+    """One rank of PipeDream over a stream of ``n`` micro-batches; returns the last stage's losses. The messages are
+    ``executor.run_stage``'s (a ``Mailbox`` over ``async_order``); what differs is the forward, on micro-batch ``i``'s
+    stashed weights (``torch.func.functional_call``), and the step after each backward."""
     schedule = [async_order(world, n, s) for s in range(world)]
     first, last = rank == 0, rank == world - 1
     if (first and (inputs is None or len(inputs) != n)) or (last and (targets is None or loss_fn is None)):

@@ -206,22 +206,19 @@ class SimResult:
     num_microbatches: int
     makespan: float
     bubble_fraction: float            # idle time of all stages / (p * makespan)
-    peak_inflight: list[float]        # most micro-batches alive at once, per stage (interleaved:
-                                      # chunks alive / v, in whole-stage activations)
+    peak_inflight: list[float]        # most micro-batches alive at once, per stage (interleaved: chunks alive / v)
     busy: list[float]                 # time each stage spent computing
     timings: list[OpTiming] = field(repr=False, default_factory=list)
 
 
 def simulate(schedule: Schedule, t_forward: float = 1.0, t_backward: float = 2.0,
              t_weight: float | None = None, t_comm: float = 0.0) -> SimResult:
-    """Play ``schedule`` with fixed op times and return makespan, bubble and in-flight counts.
-
-    Every op starts as soon as its stage is free and its inputs exist: ``F(s, i)`` needs ``F(s-1, i)``;
-    ``B(s, i)`` needs ``B(s+1, i)`` and ``F(s, i)``; ``W(s, i)`` needs ``B(s, i)``; a message takes ``t_comm``.
-    ``t_backward = 2 t_forward`` is the usual estimate (two matmuls per forward matmul); split, ``W`` takes
-    ``t_weight`` (default half: for ``y = x A``, ``dy A^T`` and ``x^T dy`` cost the same FLOPs). Times are a whole
-    stage's: an interleaved device's chunk ``c`` (virtual stage ``c p + d``) takes ``1/v`` of them.
-    """
+    """Play ``schedule`` with fixed op times and return makespan, bubble and in-flight counts. Every op starts as
+    soon as its stage is free and its inputs exist: ``F(s, i)`` needs ``F(s-1, i)``; ``B(s, i)`` needs ``B(s+1, i)``
+    and ``F(s, i)``; ``W(s, i)`` needs ``B(s, i)``; a message takes ``t_comm``. ``t_backward = 2 t_forward`` is the
+    usual estimate (two matmuls per forward matmul); split, ``W`` takes ``t_weight`` (default half: for ``y = x A``,
+    ``dy A^T`` and ``x^T dy`` cost the same FLOPs). Times are a whole stage's: an interleaved device's chunk ``c``
+    (virtual stage ``c p + d``) takes ``1/v`` of them."""
     p, m, has_w = check_schedule(schedule)
     v = num_chunks(schedule)
     if min(t_forward, t_backward, t_comm) < 0 or t_forward + t_backward <= 0:
