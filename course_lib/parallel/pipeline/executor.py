@@ -124,7 +124,7 @@ class Watch:
         """A forward kept its graph; ``inflight`` graphs are kept now."""
 
     def freed(self, i: int, c: int) -> None:
-        """A backward freed that graph."""
+        """A backward (its ``W``, when split) freed that graph."""
 
     def sent(self, nbytes: int, held: int) -> None:
         """A message left; ``held``: sent tensors kept until their peer has them."""
