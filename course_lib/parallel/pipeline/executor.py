@@ -1,17 +1,14 @@
 """One rank running any pipeline schedule written as data (chapter 08): GPipe, 1F1B, interleaved, ZB-H1.
 
-``run_stage`` walks this rank's op list from ``schedules.make_schedule``. ``("F", i)`` receives micro-batch ``i``'s
-activation (the first stage reads the input), runs the stage keeping its graph and sends the output on (the last
-stage computes the loss); ``("B", i)`` receives the output's gradient, back-propagates and sends the input's gradient
-back; ``("W", i)`` (zero bubble) computes the weight gradients its ``B`` left (``split_backward``); ``("F", i, c)``
-(interleaved) runs model chunk ``c``, virtual stage ``c p + rank``. ``gpipe_1f1b`` writes out two of these.
+``run_stage`` walks this rank's op list from ``schedules.make_schedule``: ``("F", i)`` and ``("B", i)`` are
+``gpipe_1f1b``'s forward and backward of micro-batch ``i`` (receive, compute, send); ``("W", i)`` (zero bubble)
+computes the weight gradients its ``B`` left (``split_backward``); ``("F", i, c)`` (interleaved) runs model chunk
+``c``, virtual stage ``c p + rank``.
 
 Between two ops a rank posts one batch of messages (``message_batches``): the send of the op just finished and the
 receive of the next. It waits only for the receive, so a schedule the simulator can play cannot deadlock here, and
-it keeps each sent tensor only until a later message proves that the peer has it (``send_releases``).
-
-A stage whose order holds no backward (a frozen prefix, ``freeze``) keeps no graph, and a received activation asks
-for a gradient only if the schedule sends one back. ``Watch`` is where the experiments plug in their instruments.
+it keeps each sent tensor only until a later message proves that the peer has it (``send_releases``). A stage
+without backward (a frozen prefix, ``freeze``) keeps no graph. ``Watch`` is where the experiments plug in.
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ import torch
 from torch import nn
 
 from course_lib.parallel import collectives as comm
-from course_lib.parallel.pipeline.schedules import Schedule, check_schedule, frozen_prefix, num_chunks
+from course_lib.parallel.pipeline.schedules import Schedule, check_schedule, frozen_prefix, num_chunks, op_triple
 from course_lib.parallel.pipeline.split_backward import (WeightGrads, backward_input, backward_weight,
                                                          recording_activations)
 
@@ -34,11 +31,9 @@ Link = tuple[int, int]                                 # (peer rank, tag) of one
 
 
 def split_sequential(model: nn.Sequential, num_stages: int) -> list[nn.Sequential]:
-    """Cut ``model`` into ``num_stages`` consecutive pieces with as equal numbers of modules as possible.
-
-    The pieces share the model's modules (no copy). Real systems balance by
-    measured time or memory per layer; equal counts suit a stack of equal blocks.
-    """
+    """Cut ``model`` into ``num_stages`` consecutive pieces with as equal numbers of modules as possible. The pieces
+    share the model's modules (no copy). Real systems balance by measured time or memory per layer; equal counts
+    suit a stack of equal blocks."""
     layers = list(model)
     if not 1 <= num_stages <= len(layers):
         raise ValueError(f"cannot cut {len(layers)} modules into {num_stages} stages: "
@@ -50,11 +45,9 @@ def split_sequential(model: nn.Sequential, num_stages: int) -> list[nn.Sequentia
 
 @torch.no_grad()
 def boundary_shapes(stages: Sequence[nn.Module], sample: torch.Tensor) -> list[Shape]:
-    """Shape and dtype of the tensor that enters each stage, for one micro-batch ``sample``.
-
-    A rank must allocate its receive buffer before the data arrives, so every
-    rank computes these once from the whole model (cheap next to a training step).
-    """
+    """Shape and dtype of the tensor that enters each stage, for one micro-batch ``sample``. A rank must allocate its
+    receive buffer before the data arrives, so every rank computes these once from the whole model (cheap next to a
+    training step)."""
     shapes, x = [], sample
     for stage in stages:
         shapes.append((tuple(x.shape), x.dtype))
@@ -64,15 +57,12 @@ def boundary_shapes(stages: Sequence[nn.Module], sample: torch.Tensor) -> list[S
 
 # ----------------------------------------------------------------------------- who sends what to whom, and when
 
-def op_links(op: tuple, rank: int, world: int, chunks: int = 1,
-             frozen: int = 0) -> tuple[Link | None, Link | None]:
+def op_links(op: tuple, rank: int, world: int, chunks: int = 1, frozen: int = 0) -> tuple[Link | None, Link | None]:
     """What one op receives before it runs and sends after: ``(recv, send)``, ``None`` where it has none.
-
     ``chunks = v``: the op's chunk ``c`` is virtual stage ``c p + rank`` of ``p v``. ``frozen``: the first stages
     run forwards only (``schedules.frozen_prefix``); the first trainable one sends no gradient. One tag per
-    (micro-batch, direction, receiving chunk): with one chunk, ``2 i + backward``.
-    """
-    kind, i, c = op[0], op[1], (op[2] if len(op) == 3 else 0)
+    (micro-batch, direction, receiving chunk): with one chunk, ``2 i + backward``."""
+    kind, i, c = op_triple(op)
     if kind == "W":
         return None, None                        # the weight gradient stays on the rank
     vs, last, bw = c * world + rank, world * chunks - 1, kind == "B"
@@ -87,24 +77,20 @@ def op_links(op: tuple, rank: int, world: int, chunks: int = 1,
 
 def message_batches(order: Sequence[tuple], rank: int, world: int,
                     chunks: int = 1, frozen: int = 0) -> list[tuple[list[Link], list[Link]]]:
-    """The ``(sends, recvs)`` a rank posts together between ops: batch ``k`` holds op ``k - 1``'s send and op
-    ``k``'s receive (the last, ``k = len(order)``, only the last op's send).
-
-    One batch is one ``dist.batch_isend_irecv``: in 1F1B's steady state a rank sends an activation to the next rank
-    and receives a gradient from it, and NCCL runs such a pair only as one group (posted one by one, both ranks
-    would sit in their send). The sends leave exactly when they did one by one.
-    """
+    """The ``(sends, recvs)`` a rank posts together: batch ``k`` holds op ``k - 1``'s send and op ``k``'s receive
+    (the last, ``k = len(order)``, only the last op's send). One batch is one ``dist.batch_isend_irecv``: in 1F1B's
+    steady state a rank sends an activation to the next rank and receives a gradient from it, and NCCL runs such a
+    pair only as one group (posted one by one, both ranks would sit in their send). The sends leave exactly when
+    they did one by one."""
     links = [(None, None)] + [op_links(op, rank, world, chunks, frozen) for op in order] + [(None, None)]
     return [([send] if send else [], [recv] if recv else []) for (_, send), (recv, _) in zip(links, links[1:])]
 
 
 def send_releases(schedule: Schedule, rank: int) -> list[int | None]:
-    """For each op of ``rank`` that sends: the first later op whose receive proves the peer has the message.
-
-    The peer takes our message before it runs the op that consumes it; any message it sends us from a later op of
-    its order arrives after that, so once we have received it, our send is complete and its tensor can go.
-    ``None``: no such op (released at the end of the step), or the op sends nothing.
-    """
+    """For each op of ``rank`` that sends: the first later op whose receive proves the peer has the message (``None``:
+    no such op, released at the end of the step; or the op sends nothing). The peer takes our message before it runs
+    the op that consumes it; any message it sends us from a later op of its order arrives after that, so once we
+    have received it, our send is complete and its tensor can go."""
     world, v, frozen = len(schedule), num_chunks(schedule), frozen_prefix(schedule)
     links = [[op_links(o, q, world, v, frozen) for o in schedule[q]] for q in range(world)]
     # where each message (receiver, tag, sender) is consumed and produced, as positions in the ranks' orders
@@ -127,27 +113,28 @@ class Watch:
     ``course_lib.experiments.pipeline_meter.Meter`` times and pads the ops, counts memory and messages.
     """
 
-    def begin(self) -> None:                                      # the rank starts its ops
-        pass
+    def begin(self) -> None:
+        """The rank starts its ops."""
 
-    def op(self, kind: str, i: int, c: int) -> ContextManager[None]:   # around one op's work
+    def op(self, kind: str, i: int, c: int) -> ContextManager[None]:
+        """Around one op's work."""
         return contextlib.nullcontext()
 
-    def kept(self, i: int, c: int, inflight: int) -> None:        # a forward kept its graph
-        pass
+    def kept(self, i: int, c: int, inflight: int) -> None:
+        """A forward kept its graph; ``inflight`` graphs are kept now."""
 
-    def freed(self, i: int, c: int) -> None:                      # ... which a backward freed
-        pass
+    def freed(self, i: int, c: int) -> None:
+        """A backward (its ``W``, when split) freed that graph."""
 
-    def sent(self, nbytes: int, held: int) -> None:               # a message left; held: sent tensors kept
-        pass
+    def sent(self, nbytes: int, held: int) -> None:
+        """A message left; ``held``: sent tensors kept until their peer has them."""
 
-    def finish(self) -> None:                                     # the last message has left
-        pass
+    def finish(self) -> None:
+        """The last message has left."""
 
 
 class Mailbox:
-    """One rank's messages: batch ``k`` (op ``k - 1``'s send, op ``k``'s receive) posted between two ops."""
+    """One rank's batches of messages (``message_batches``), each sent tensor kept until ``send_releases``."""
 
     def __init__(self, schedule: Schedule, rank: int, ranks: Sequence[int] | None = None,
                  watch: Watch | None = None):
@@ -159,10 +146,8 @@ class Mailbox:
         self.watch = watch or Watch()
 
     def exchange(self, k: int, outgoing: torch.Tensor | None, into: torch.Tensor | None = None) -> None:
-        """Post batch ``k``: ``outgoing`` (op ``k - 1``'s result) and op ``k``'s receive into ``into``.
-
-        Waits for the receive only (the rank idles here); the send completes in the background.
-        """
+        """Post batch ``k`` (``outgoing``: op ``k - 1``'s result; ``into``: op ``k``'s receive); wait for the receive
+        only (the rank idles here), the send completes in the background."""
         sends, recvs = self.batches[k]
         ex = comm.exchange([comm.Message(outgoing, self.ranks[q], tag) for q, tag in sends],
                            [comm.Message(into, self.ranks[q], tag) for q, tag in recvs])
@@ -174,10 +159,12 @@ class Mailbox:
             for j in [j for j in self.held if self.releases[j] is not None and self.releases[j] <= k]:
                 self.held.pop(j)[0].wait()        # returns at once: the peer has the message
 
-    def finish(self) -> None:
-        """Wait until every send still held has left."""
+    def finish(self, outgoing: torch.Tensor | None) -> None:
+        """Post the last batch (the last op's send ``outgoing``) and wait until every send still held has left."""
+        self.exchange(len(self.batches) - 1, outgoing)
         for ex, _ in self.held.values():
             ex.wait()
+        self.watch.finish()
 
 
 @dataclass
@@ -195,13 +182,11 @@ def run_stage(stage: nn.Module | Sequence[nn.Module], schedule: Schedule, rank: 
               loss_fn: LossFn | None = None, device: torch.device | str = "cpu", ranks: Sequence[int] | None = None,
               watch: Watch | None = None) -> tuple[list[torch.Tensor], list[float]]:
     """Run ``schedule[rank]``, this rank's ops; gradients accumulate in ``stage``. Returns the last stage's outputs
-    and losses (empty elsewhere).
-
-    ``stage`` is this rank's module, or its ``v`` chunks for an interleaved schedule (``in_shape`` then one per
-    chunk). ``inputs`` (rank 0) and ``targets`` with ``loss_fn`` (rank ``p - 1``) hold one tensor per micro-batch.
-    Each loss is divided by ``m``, so the summed gradients are those of the whole batch's mean loss. ``ranks``
-    names the process of each stage (default ``0..p-1``): data-parallel pipelines can share one group.
-    """
+    and losses (empty elsewhere). ``stage`` is this rank's module, or its ``v`` chunks for an interleaved schedule
+    (``in_shape`` then one per chunk). ``inputs`` (rank 0) and ``targets`` with ``loss_fn`` (rank ``p - 1``) hold
+    one tensor per micro-batch. Each loss is divided by ``m``, so the summed gradients are those of the whole batch's
+    mean loss. ``ranks`` names the process of each stage (default ``0..p-1``): data-parallel pipelines can share one
+    group."""
     world, m, split = check_schedule(schedule)
     v, order = num_chunks(schedule), [tuple(o) for o in schedule[rank]]
     chunks = list(stage) if isinstance(stage, (list, tuple)) else [stage]
@@ -219,7 +204,7 @@ def run_stage(stage: nn.Module | Sequence[nn.Module], schedule: Schedule, rank: 
     watch = watch or Watch()
     trains = any(o[0] != "F" for o in order)          # forwards only (frozen): no graph, nothing kept
     # the inputs whose gradient someone waits for: their backward sends one back
-    wants_grad = {(o[1], o[2] if len(o) == 3 else 0) for o in order
+    wants_grad = {op_triple(o)[1:] for o in order
                   if o[0] == "B" and op_links(o, rank, world, v, frozen_prefix(schedule))[1] is not None}
     params = [list(ch.parameters()) for ch in chunks]
     mail = Mailbox(schedule, rank, ranks, watch)
@@ -229,7 +214,7 @@ def run_stage(stage: nn.Module | Sequence[nn.Module], schedule: Schedule, rank: 
     outgoing: torch.Tensor | None = None              # what the op just run sends
     watch.begin()
     for k, op in enumerate(order):
-        kind, i, c = op[0], op[1], (op[2] if len(op) == 3 else 0)
+        kind, i, c = op_triple(op)
         at_end = c * world + rank == world * v - 1    # the last virtual stage computes the loss
         if kind == "F":
             first = c * world + rank == 0                 # the first virtual stage reads the input
@@ -268,7 +253,5 @@ def run_stage(stage: nn.Module | Sequence[nn.Module], schedule: Schedule, rank: 
                 backward_weight(mb.weight_grads)
                 watch.freed(i, c)
             outgoing = None
-    mail.exchange(len(order), outgoing)
-    mail.finish()
-    watch.finish()
+    mail.finish(outgoing)
     return [o.cpu() for o in outputs], [loss.item() * m for loss in losses]

@@ -25,13 +25,10 @@ from course_lib.parallel.pipeline.schedules import Schedule, SimResult, make_sch
 
 
 def progressive_freeze(num_layers: int, num_epochs: int, alpha: float, keep: int = 1) -> list[int]:
-    """Frozen layers at the start of each epoch: 0, then ``+ floor(alpha * active)`` per epoch.
-
-    ``keep`` layers at the end (the head) always train. The share frozen per
-    step follows the shape of PipeTransformer's bound (a fraction ``alpha`` of
-    the active layers at most); the paper also stops earlier when the layers'
-    gradients say so, which a fixed schedule leaves out.
-    """
+    """Frozen layers at the start of each epoch: 0, then ``+ floor(alpha * active)`` per epoch; ``keep`` layers at
+    the end (the head) always train. The share frozen per step follows the shape of PipeTransformer's bound (a
+    fraction ``alpha`` of the active layers at most); the paper also stops earlier when the layers' gradients say
+    so, which a fixed schedule leaves out."""
     if num_layers < 1 or num_epochs < 1 or not 0 < alpha <= 1 or not 1 <= keep <= num_layers:
         raise ValueError(f"need num_layers >= 1, num_epochs >= 1, 0 < alpha <= 1, 1 <= keep <= num_layers; got "
                          f"{num_layers}, {num_epochs}, {alpha}, {keep}")
@@ -43,12 +40,9 @@ def progressive_freeze(num_layers: int, num_epochs: int, alpha: float, keep: int
 
 
 def frozen_schedule(kind: str, num_stages: int, num_microbatches: int, frozen_stages: int) -> Schedule:
-    """``make_schedule(kind, ...)`` with the first ``frozen_stages`` stages running their forwards only.
-
-    The trainable stages keep their order: a backward never waited for a
-    frozen stage (gradients flow the other way), and the first trainable stage
-    now sends none. Plain schedules only (``gpipe``, ``1f1b``, ``zb-h1``).
-    """
+    """``make_schedule(kind, ...)`` with the first ``frozen_stages`` stages running their forwards only. The
+    trainable stages keep their order: a backward never waited for a frozen stage (gradients flow the other way),
+    and the first trainable stage now sends none. Plain schedules only (``gpipe``, ``1f1b``, ``zb-h1``)."""
     if kind == "interleaved":
         raise ValueError("a frozen prefix is a set of whole devices; interleaving spreads each device's "
                          "layers over the model")
@@ -81,15 +75,11 @@ class ElasticPlan:
 
 
 def repack(num_layers: int, frozen_layers: int, devices: int, max_layers_per_stage: int) -> ElasticPlan:
-    """Pack the active layers into the fewest stages and fill the freed devices with replicas.
-
-    The pipeline length stays a power of two that divides ``devices`` (as in
-    PipeTransformer, which halves it when the active layers fit in half the
-    devices), and is the shortest one whose stages hold at most
-    ``max_layers_per_stage`` layers (what one device's memory takes; usually
-    the unfrozen pipeline's stage). The frozen prefix is not placed: its
-    outputs come from the ``ActivationCache``.
-    """
+    """Pack the active layers into the fewest stages and fill the freed devices with replicas. The pipeline length
+    stays a power of two that divides ``devices`` (as in PipeTransformer, which halves it when the active layers fit
+    in half the devices), and is the shortest one whose stages hold at most ``max_layers_per_stage`` layers (what one
+    device's memory takes; usually the unfrozen pipeline's stage). The frozen prefix is not placed: its outputs come
+    from the ``ActivationCache``."""
     active = num_layers - frozen_layers
     if devices < 1 or devices & (devices - 1):
         raise ValueError(f"devices must be a power of two (the pipeline is halved); got {devices}")
@@ -111,12 +101,9 @@ def repack(num_layers: int, frozen_layers: int, devices: int, max_layers_per_sta
 def simulate_repacked(plan: ElasticPlan, num_microbatches: int, t_forward: float, t_backward: float,
                       layers_per_old_stage: int, kind: str = "1f1b") -> SimResult:
     """One replica's step after ``repack``: ``m / replicas`` micro-batches, each op as long as its stage's layers.
-
-    ``t_forward`` and ``t_backward`` are a stage's times before repacking,
-    when it held ``layers_per_old_stage`` layers; every replica runs the same
-    schedule at the same time, so one replica's makespan is the step's
-    (before the gradients' all-reduce, which this leaves out).
-    """
+    ``t_forward`` and ``t_backward`` are a stage's times before repacking, when it held ``layers_per_old_stage``
+    layers; every replica runs the same schedule at the same time, so one replica's makespan is the step's (before
+    the gradients' all-reduce, which this leaves out)."""
     if num_microbatches % plan.replicas:
         raise ValueError(f"{num_microbatches} micro-batches do not split over {plan.replicas} replicas")
     scale = max(plan.layers_per_stage) / layers_per_old_stage     # the slowest stage sets the pace
@@ -127,12 +114,10 @@ def simulate_repacked(plan: ElasticPlan, num_microbatches: int, t_forward: float
 class ActivationCache:
     """The frozen prefix's output for each sample, computed once and kept (PipeTransformer's AutoCache).
 
-    ``get(index, x)`` returns the prefix's output for the samples ``index``
-    (their inputs ``x``), running the prefix only on those not yet cached.
-    Memory: one prefix output per sample of the data set, ``nbytes``; what it
-    saves is the prefix's forward in every later epoch. Valid only while the
-    prefix stays frozen (and runs no dropout): a change of the frozen set needs
-    a new cache.
+    ``get(index, x)`` returns the prefix's output for the samples ``index`` (their inputs ``x``), running the prefix
+    only on those not yet cached. Memory: one prefix output per sample of the data set, ``nbytes``; what it saves is
+    the prefix's forward in every later epoch. Valid only while the prefix stays frozen (and runs no dropout): a
+    change of the frozen set needs a new cache.
     """
 
     def __init__(self, prefix: nn.Module, num_samples: int):

@@ -50,11 +50,10 @@ def exchange(pipe: Pipe, send_y: torch.Tensor | None = None, send_dx: torch.Tens
     """Post one batch of messages with the neighbours and wait for it; return ``(x, grad)`` received.
 
     Sends our output ``send_y`` on and our input's gradient ``send_dx`` back; receives (``recv_x``) the next
-    activation from ``s - 1`` and (``grad_of``) the gradient of that output from ``s + 1``. What has no neighbour
-    is skipped: rank 0 reads data and sends no gradient back, the last rank starts from its loss. One batch: in
-    the steady state two neighbours each send to the other before receiving; posted one by one, both would sit in
-    their send (NCCL's and gloo's sends wait for the receiver). ``batch_isend_irecv`` moves both directions.
-    """
+    activation from ``s - 1`` and (``grad_of``) the gradient of that output from ``s + 1``; what has no neighbour
+    is skipped. One batch: in the steady state two neighbours each send to the other before receiving; posted one
+    by one, both would sit in their send (NCCL's and gloo's sends wait for the receiver). ``batch_isend_irecv``
+    moves both directions."""
     prev, nxt = pipe.rank - 1, pipe.rank + 1
     sends = ([comm.Message(send_y.detach().contiguous(), nxt)] if send_y is not None and not pipe.last else []) + \
         ([comm.Message(send_dx.contiguous(), prev)] if send_dx is not None and not pipe.first else [])

@@ -72,11 +72,9 @@ def stash_formula(num_stages: int, stage: int) -> int:
 class WeightStash:
     """One rank's stash: a copy of the weights for every micro-batch in flight (what it costs: that many copies).
 
-    ``weights(i)`` makes micro-batch ``i``'s copy of the live weights before its
-    forward; ``apply(i)`` moves the gradient computed on that copy to the live
-    weights, steps the optimizer and drops the copy. ``stash=False`` runs the
-    forward on the live weights themselves (no copy): the next in-place update
-    then breaks micro-batch ``i``'s backward.
+    ``weights(i)`` makes micro-batch ``i``'s copy of the live weights before its forward; ``apply(i)`` moves the
+    gradient computed on that copy to the live weights, steps the optimizer and drops the copy. ``stash=False`` runs
+    the forward on the live weights themselves (no copy): the next in-place update then breaks ``i``'s backward.
     """
 
     module: nn.Module
@@ -94,9 +92,8 @@ class WeightStash:
     def apply(self, i: int) -> int:
         """Micro-batch ``i``'s update; returns the version its forward used."""
         version, copy = self.copies.pop(i)
-        for name, p in self.module.named_parameters():
-            if copy:
-                p.grad = copy[name].grad                  # the gradient at the stashed version ...
+        for name, p in self.module.named_parameters() if copy else ():
+            p.grad = copy[name].grad                      # the gradient at the stashed version ...
         self.optimizer.step()                             # ... applied to the newest weights
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
@@ -107,11 +104,9 @@ def run_pipedream(stage: nn.Module, stash: WeightStash, rank: int, world: int, n
                   inputs: Sequence[torch.Tensor] | None = None, targets: Sequence[torch.Tensor] | None = None,
                   loss_fn: LossFn | None = None, device: torch.device | str = "cpu",
                   watch: Watch | None = None) -> list[float]:
-    """One rank of PipeDream over a stream of ``n`` micro-batches; returns the last stage's losses.
-
-    The messages are ``executor.run_stage``'s (a ``Mailbox`` over ``async_order``); what differs is the forward,
-    on micro-batch ``i``'s stashed weights (``torch.func.functional_call``), and the step after each backward.
-    """
+    """One rank of PipeDream over a stream of ``n`` micro-batches; returns the last stage's losses. The messages are
+    ``executor.run_stage``'s (a ``Mailbox`` over ``async_order``); what differs is the forward, on micro-batch ``i``'s
+    stashed weights (``torch.func.functional_call``), and the step after each backward."""
     schedule = [async_order(world, n, s) for s in range(world)]
     first, last = rank == 0, rank == world - 1
     if (first and (inputs is None or len(inputs) != n)) or (last and (targets is None or loss_fn is None)):
@@ -145,7 +140,5 @@ def run_pipedream(stage: nn.Module, stash: WeightStash, rank: int, world: int, n
                 watch.freed(i, 0)
                 stash.apply(i)                    # ... applied to the live weights, one optimizer step
                 outgoing = None if first else x.grad.contiguous()
-    mail.exchange(len(schedule[rank]), outgoing)
-    mail.finish()
-    watch.finish()
+    mail.finish(outgoing)
     return [loss.item() for loss in losses]

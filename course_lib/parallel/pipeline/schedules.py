@@ -25,31 +25,25 @@ Schedule = list[list[Op]]             # one op list per stage (per device when i
 KINDS = ("gpipe", "1f1b", "zb-h1", "interleaved")
 
 
-def _check_sizes(num_stages: int, num_microbatches: int, chunks: int = 1) -> None:
+def _check_sizes(num_stages: int, num_microbatches: int, chunks: int = 1, stage: int | None = None) -> None:
     for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches), ("chunks", chunks)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer; got {value!r}")
+    if stage is not None and not 0 <= stage < num_stages:
+        raise ValueError(f"stage must be in [0, {num_stages}); got {stage}")
 
 
 def gpipe_order(num_stages: int, num_microbatches: int, stage: int) -> list[Op]:
     """GPipe (all-forward-all-backward) order of one stage: F0..F(m-1), then B0..B(m-1)."""
     _check_sizes(num_stages, num_microbatches)
-    m = num_microbatches
-    return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    return [("F", i) for i in range(num_microbatches)] + [("B", i) for i in range(num_microbatches)]
 
 
 def one_f_one_b_order(num_stages: int, num_microbatches: int, stage: int) -> list[Op]:
-    """1F1B order of one stage, in three phases (PipeDream-Flush, Narayanan et al. 2021).
-
-    Stage ``s`` first runs ``min(p - s - 1, m)`` warm-up forwards: just enough
-    that its first backward arrives when the pipe is full. Then it alternates
-    one forward and one backward, and finishes with the outstanding backwards.
-    Each backward frees a micro-batch's activations, so at most ``p - s`` are
-    alive at once.
-    """
-    _check_sizes(num_stages, num_microbatches)
-    if not 0 <= stage < num_stages:
-        raise ValueError(f"stage must be in [0, {num_stages}); got {stage}")
+    """1F1B order of one stage (PipeDream-Flush, Narayanan et al. 2021): ``min(p - s - 1, m)`` warm-up forwards,
+    just enough that its first backward arrives when the pipe is full. Each backward frees a micro-batch's
+    activations, so at most ``p - s`` are alive at once."""
+    _check_sizes(num_stages, num_microbatches, stage=stage)
     p, m = num_stages, num_microbatches
     warmup = min(p - stage - 1, m)
     order: list[Op] = [("F", i) for i in range(warmup)]         # warm-up: fill the pipe
@@ -60,15 +54,11 @@ def one_f_one_b_order(num_stages: int, num_microbatches: int, stage: int) -> lis
 
 
 def zero_bubble_h1_order(num_stages: int, num_microbatches: int, stage: int) -> list[Op]:
-    """ZB-H1 order of one stage (Qi et al. 2024): 1F1B with the backward split into ``B`` and ``W``.
-
-    ``B`` (the input gradient, which the stage before waits for) runs as in 1F1B; ``W`` (the weight gradient)
-    waits for nobody. Stage ``s`` runs the ``W`` of its ``k``-th backward after its ``(k + s)``-th ``B``: later
-    stages keep more ``W`` in reserve to fill the cool-down. Every stage holds ``min(p, m)`` micro-batches (1F1B's
-    first stage's most), and with ``t_F = t_B = t_W`` the idle time falls to a third of 1F1B's.
-    """
-    # Postponing by s backwards fills the cool-down exactly when t_F = t_B = t_W
-    # (the simulator checks: idle time (p - 1) t_F per stage, for m >= p).
+    """ZB-H1 order of one stage (Qi et al. 2024): ``B`` (the input gradient, which the stage before waits for) runs
+    as in 1F1B; ``W`` (the weight gradient) waits for nobody. Stage ``s`` runs the ``W`` of its ``k``-th backward
+    after its ``(k + s)``-th ``B``: later stages keep more ``W`` in reserve, which fills the cool-down exactly when
+    ``t_F = t_B = t_W`` (idle time ``(p - 1) t_F`` per stage for ``m >= p``, a third of 1F1B's; the simulator
+    checks). Every stage holds ``min(p, m)`` micro-batches (1F1B's first stage's most)."""
     order: list[Op] = []
     backwards: list[int] = []
     for op, i in one_f_one_b_order(num_stages, num_microbatches, stage):
@@ -82,18 +72,14 @@ def zero_bubble_h1_order(num_stages: int, num_microbatches: int, stage: int) -> 
 
 def interleaved_order(num_stages: int, num_microbatches: int, stage: int, chunks: int = 2) -> list[Op]:
     """Interleaved 1F1B order of one device holding ``chunks`` model chunks (Narayanan et al. 2021, 2.2).
-
     Micro-batches go in groups of ``p``: the forwards of one group on chunk 0, then on chunk 1, ..., then the next
-    group; backwards the same, chunks in reverse. Device ``d`` runs ``2 (p - d - 1) + (v - 1) p`` warm-up
-    forwards (enough to stay busy until its first backward can arrive), then alternates, then drains.
-    """
-    _check_sizes(num_stages, num_microbatches, chunks)
+    group; backwards the same, chunks in reverse. Device ``d`` runs ``2 (p - d - 1) + (v - 1) p`` warm-up forwards
+    (enough to stay busy until its first backward can arrive), then alternates, then drains."""
+    _check_sizes(num_stages, num_microbatches, chunks, stage)
     p, m, v = num_stages, num_microbatches, chunks
     if m % p:
         raise ValueError(f"interleaved 1F1B sends micro-batches in groups of p = {p}: use a number of "
                          f"micro-batches that is a multiple of {p} (got {m})")
-    if not 0 <= stage < p:
-        raise ValueError(f"stage must be in [0, {p}); got {stage}")
 
     def nth(k: int, backward: bool) -> tuple[int, int]:
         """The micro-batch and chunk of this device's k-th forward (or backward)."""
@@ -140,14 +126,14 @@ def zb_h1_bubble_formula(num_stages: int, num_microbatches: int, t_forward: floa
     return idle / (idle + num_microbatches * (t_forward + t_backward))
 
 
-def _triple(o: Op) -> tuple[str, int, int]:
-    """``(op, micro-batch, chunk)``: plain schedules have one chunk, 0."""
+def op_triple(o: Op) -> tuple[str, int, int]:
+    """``(op, micro-batch, chunk)`` of any op: plain schedules have one chunk, 0."""
     return (o[0], o[1], o[2] if len(o) == 3 else 0)
 
 
 def num_chunks(schedule: Schedule) -> int:
     """Model chunks per device: 1, or ``v`` for an interleaved schedule."""
-    return 1 + max((_triple(o)[2] for order in schedule for o in order), default=0)
+    return 1 + max((op_triple(o)[2] for order in schedule for o in order), default=0)
 
 
 def frozen_prefix(schedule: Schedule) -> int:
@@ -175,7 +161,7 @@ def check_schedule(schedule: Schedule) -> tuple[int, int, bool]:
                          "one model chunk per stage")
     ops = ("F", "B", "W") if has_w else ("F", "B")
     for s, order in enumerate(schedule):
-        order = [_triple(o) for o in order]         # JSON gives lists; compare as tuples
+        order = [op_triple(o) for o in order]        # JSON gives lists; compare as tuples
         expected = sorted((op, i, c) for op in (("F",) if s < frozen else ops) for i in range(m) for c in range(v))
         if sorted(order) != expected:
             missing = sorted(set(expected) - set(order))
@@ -220,22 +206,19 @@ class SimResult:
     num_microbatches: int
     makespan: float
     bubble_fraction: float            # idle time of all stages / (p * makespan)
-    peak_inflight: list[float]        # most micro-batches alive at once, per stage (interleaved:
-                                      # chunks alive / v, in whole-stage activations)
+    peak_inflight: list[float]        # most micro-batches alive at once, per stage (interleaved: chunks alive / v)
     busy: list[float]                 # time each stage spent computing
     timings: list[OpTiming] = field(repr=False, default_factory=list)
 
 
 def simulate(schedule: Schedule, t_forward: float = 1.0, t_backward: float = 2.0,
              t_weight: float | None = None, t_comm: float = 0.0) -> SimResult:
-    """Play ``schedule`` with fixed op times and return makespan, bubble and in-flight counts.
-
-    Every op starts as soon as its stage is free and its inputs exist: ``F(s, i)`` needs ``F(s-1, i)``;
-    ``B(s, i)`` needs ``B(s+1, i)`` and ``F(s, i)``; ``W(s, i)`` needs ``B(s, i)``; a message takes ``t_comm``.
-    ``t_backward = 2 t_forward`` is the usual estimate (two matmuls per forward matmul); split, ``W`` takes
-    ``t_weight`` (default half: for ``y = x A``, ``dy A^T`` and ``x^T dy`` cost the same FLOPs). Times are a whole
-    stage's: an interleaved device's chunk ``c`` (virtual stage ``c p + d``) takes ``1/v`` of them.
-    """
+    """Play ``schedule`` with fixed op times and return makespan, bubble and in-flight counts. Every op starts as
+    soon as its stage is free and its inputs exist: ``F(s, i)`` needs ``F(s-1, i)``; ``B(s, i)`` needs ``B(s+1, i)``
+    and ``F(s, i)``; ``W(s, i)`` needs ``B(s, i)``; a message takes ``t_comm``. ``t_backward = 2 t_forward`` is the
+    usual estimate (two matmuls per forward matmul); split, ``W`` takes ``t_weight`` (default half: for ``y = x A``,
+    ``dy A^T`` and ``x^T dy`` cost the same FLOPs). Times are a whole stage's: an interleaved device's chunk ``c``
+    (virtual stage ``c p + d``) takes ``1/v`` of them."""
     p, m, has_w = check_schedule(schedule)
     v = num_chunks(schedule)
     if min(t_forward, t_backward, t_comm) < 0 or t_forward + t_backward <= 0:
@@ -262,7 +245,7 @@ def simulate(schedule: Schedule, t_forward: float = 1.0, t_backward: float = 2.0
         progress = False
         for s in range(p):
             while nxt[s] < len(schedule[s]):
-                op, i, c = _triple(schedule[s][nxt[s]])
+                op, i, c = op_triple(schedule[s][nxt[s]])
                 ready = ready_at(op, c * p + s, i)
                 if ready is None:
                     break                            # wait for another stage

@@ -66,12 +66,9 @@ def _reach(start: list[Node], step: Callable[[Node], list[Node]]) -> set[Node]:
 
 def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor | None, activations: set[Node],
                    params: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, WeightGrads]:
-    """``B``: the gradient of ``out`` (times ``grad``) at the input ``x``, and what ``W`` needs later.
-
-    ``activations`` comes from ``recording_activations`` around the forward;
-    ``x`` is ``None`` (or needs no gradient) on the first stage, whose input is
-    data. The graph is kept for ``W``.
-    """
+    """``B``: the gradient of ``out`` (times ``grad``) at the input ``x``, and what ``W`` needs later (the graph is
+    kept for it). ``activations`` comes from ``recording_activations`` around the forward; ``x`` is ``None`` (or
+    needs no gradient) on the first stage, whose input is data."""
     if out.grad_fn is None:
         raise ValueError("the stage's output has no autograd graph: run its forward with gradients enabled")
     root = out.grad_fn
