@@ -57,7 +57,7 @@ def zero_bubble_h1_order(num_stages: int, num_microbatches: int, stage: int) -> 
     """ZB-H1 order of one stage (Qi et al. 2024): ``B`` (the input gradient, which the stage before waits for) runs
     as in 1F1B; ``W`` (the weight gradient) waits for nobody. Stage ``s`` runs the ``W`` of its ``k``-th backward
     after its ``(k + s)``-th ``B``: later stages keep more ``W`` in reserve, which fills the cool-down exactly when
-    ``t_F = t_B = t_W`` (idle time ``(p - 1) t_F`` per stage for ``m >= p``, a third of 1F1B's; the simulator
+    ``t_f = t_B = t_W`` (idle time ``(p - 1) t_f`` per stage for ``m >= p``, a third of 1F1B's; the simulator
     checks). Every stage holds ``min(p, m)`` micro-batches (1F1B's first stage's most)."""
     order: list[Op] = []
     backwards: list[int] = []
@@ -117,9 +117,9 @@ def bubble_formula(num_stages: int, num_microbatches: int, chunks: int = 1) -> f
 
 def zb_h1_bubble_formula(num_stages: int, num_microbatches: int, t_forward: float = 1.0,
                          t_backward: float = 2.0, t_weight: float | None = None) -> float:
-    """ZB-H1's idle share (Qi et al. 2024, section 3): each stage idles ``(p - 1)(T_F + T_B - T_W)``, 1F1B
-    ``(p - 1)(T_F + T_B + T_W)``; ``T_B + T_W = t_backward`` (default half each). Holds for ``m >= p`` and
-    ``T_W <= T_F`` (the reserve of ``W`` must be there, and fit, to fill the drain)."""
+    """ZB-H1's idle share (Qi et al. 2024, section 3; chapter 08's notation): each stage idles
+    ``(p - 1)(t_f + t_B - t_W)``, 1F1B ``(p - 1)(t_f + t_B + t_W)``; ``t_B + t_W = t_backward`` (default half each).
+    Holds for ``m >= p`` and ``t_W <= t_f`` (the reserve of ``W`` must be there, and fit, to fill the drain)."""
     _check_sizes(num_stages, num_microbatches)
     t_w = t_backward / 2 if t_weight is None else t_weight
     idle = (num_stages - 1) * (t_forward + (t_backward - t_w) - t_w)
