@@ -80,13 +80,14 @@ def test_counted_adds_what_the_ring_sends(monkeypatch):
     for name in ("all_reduce", "all_gather_single"):  # stand-ins with the real signatures: nothing to send to
         monkeypatch.setattr(dist, name, functools.wraps(getattr(dist, name))(lambda *a, **k: None))
     stand_in, other_group = dist.all_reduce, object()
-    c = ByteCounter()
-    with counted(c):
+    c, inner = ByteCounter(), ByteCounter()
+    with counted(c), counted(inner, other_group):  # blocks nest, each counting the calls on its own group
         dist.all_gather_single(torch.zeros(6, dtype=torch.float64), torch.zeros(1))  # counts the output, the full one
         dist.all_reduce(torch.zeros(6, dtype=torch.float64))
-        dist.all_reduce(torch.zeros(6), group=other_group)  # another group: not this block's
+        dist.all_reduce(torch.zeros(6), group=other_group)
     assert c.by_op == {"all_gather": 3 / 4 * 48, "all_reduce": 2 * 3 / 4 * 48}
     assert c.calls == {"all_gather": 1, "all_reduce": 1}
+    assert inner.by_op == {"all_reduce": 2 * 3 / 4 * 24}
     assert dist.all_reduce is stand_in, "the block puts torch.distributed back as it found it"
 
 

@@ -9,6 +9,7 @@ Options count the all-to-alls' rows bound for other ranks and the point-to-point
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -63,8 +64,9 @@ def counted(counter: ByteCounter, group: dist.ProcessGroup | None = None, all_to
 
     def ring(name: str, fn: Callable) -> Callable:
         op, at = RING[name]
-        signature = inspect.signature(fn)
+        signature = inspect.signature(fn)  # torch's own, through the spies of enclosing blocks (functools.wraps)
 
+        @functools.wraps(fn)
         def spy(*args, **kwargs):
             given = signature.bind(*args, **kwargs).arguments
             g = given.get("group")
@@ -73,6 +75,7 @@ def counted(counter: ByteCounter, group: dist.ProcessGroup | None = None, all_to
             return fn(*args, **kwargs)
         return spy
 
+    @functools.wraps(dist.all_to_all_single)
     def all_to_all_single(out, inp, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
         if _same_group(group, measured):
             n = dist.get_world_size(group)
@@ -83,6 +86,7 @@ def counted(counter: ByteCounter, group: dist.ProcessGroup | None = None, all_to
         return originals["all_to_all_single"](out, inp, output_split_sizes, input_split_sizes, group=group,
                                               async_op=async_op)
 
+    @functools.wraps(dist.batch_isend_irecv)
     def batch_isend_irecv(ops):
         for op in ops:
             if getattr(op.op, "__name__", "") == "isend" and _same_group(op.group, measured):
