@@ -1,4 +1,5 @@
-"""Counting collectives, batched point-to-point messages and the hand-written ring all-reduce.
+"""Collectives as the harness counts them (``counting.counted``), batched point-to-point messages and the
+hand-written ring all-reduce.
 
 The ring and the wrappers run for real on 3 gloo ranks in one launch; the
 NCCL-specific paths (batched P2P, the version fallbacks) are checked in this
@@ -7,6 +8,8 @@ process with spies on ``torch.distributed``.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,6 +17,7 @@ import torch.distributed as dist
 from course_lib.parallel import collectives as comm
 from course_lib.experiments import launch
 from course_lib.experiments.comm_spies import handed_bytes
+from course_lib.experiments.counting import ByteCounter, counted
 from course_lib.experiments.workers.selftest import CommChecks
 
 WORLD = 3  # not 2: 2(N-1)/N = 4/3 here, so a formula that ignores N would show
@@ -63,7 +67,7 @@ def test_ring_factor_and_counter():
     assert comm.ring_factor("all_reduce", 64) == pytest.approx(2 * 63 / 64)
     with pytest.raises(ValueError, match="unknown collective"):
         comm.ring_factor("all_to_all", 2)
-    c = comm.ByteCounter()
+    c = ByteCounter()
     c.add("all_reduce", 10)
     c.add("all_reduce", 5)
     assert (c.bytes, c.by_op, c.calls) == (15, {"all_reduce": 15}, {"all_reduce": 2})
@@ -71,14 +75,20 @@ def test_ring_factor_and_counter():
     assert c.bytes == 0 and not c.by_op
 
 
-def test_count_adds_what_the_ring_sends(monkeypatch):
+def test_counted_adds_what_the_ring_sends(monkeypatch):
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
-    comm.count(None, "all_reduce", torch.zeros(4))  # no counter: nothing to add to
-    c = comm.ByteCounter()
-    comm.count(c, "all_gather", torch.zeros(6, dtype=torch.float64))
-    comm.count(c, "all_reduce", torch.zeros(6, dtype=torch.float64))
+    for name in ("all_reduce", "all_gather_single"):  # stand-ins with the real signatures: nothing to send to
+        monkeypatch.setattr(dist, name, functools.wraps(getattr(dist, name))(lambda *a, **k: None))
+    stand_in, other_group = dist.all_reduce, object()
+    c, inner = ByteCounter(), ByteCounter()
+    with counted(c), counted(inner, other_group):  # blocks nest, each counting the calls on its own group
+        dist.all_gather_single(torch.zeros(6, dtype=torch.float64), torch.zeros(1))  # counts the output, the full one
+        dist.all_reduce(torch.zeros(6, dtype=torch.float64))
+        dist.all_reduce(torch.zeros(6), group=other_group)
     assert c.by_op == {"all_gather": 3 / 4 * 48, "all_reduce": 2 * 3 / 4 * 48}
     assert c.calls == {"all_gather": 1, "all_reduce": 1}
+    assert inner.by_op == {"all_reduce": 2 * 3 / 4 * 24}
+    assert dist.all_reduce is stand_in, "the block puts torch.distributed back as it found it"
 
 
 # ----- in this process, with spies ---------------------------------------------------
@@ -122,8 +132,10 @@ def test_ring_uses_batched_p2p_only(monkeypatch, one_process_group):
     direct: list = []
     for name in ("send", "recv"):
         monkeypatch.setattr(dist, name, lambda *a, _n=name, **k: direct.append(_n))
-    t = torch.arange(8, dtype=torch.float32)
-    comm.ring_all_reduce(t)
+    t, c = torch.arange(8, dtype=torch.float32), ByteCounter()
+    with counted(c, p2p="ring_all_reduce"):
+        comm.ring_all_reduce(t)
+    assert c.by_op == {"ring_all_reduce": 6 * 2 * 4}, "what the 6 sends of 2 float32 each carry"
     batches = [entry for entry in log if isinstance(entry, list)]
     assert batches == [[("isend", 2, 2), ("irecv", 0, 2)]] * 6, "2(N-1) batches: a send right, a receive left"
     assert log.count("group") == 6, "each batch is waited for before its chunk is used"

@@ -25,9 +25,8 @@ import torch.distributed as dist
 from course_lib.experiments import launch
 from course_lib.parallel.expert_parallel.moe_layer import (ExpertParallelMoE, bytes_per_layer, dispatch_buffer_bytes,
                                                     expert_dp_groups, experts_per_rank, params_per_rank)
-from course_lib.parallel.collectives import ByteCounter
 from course_lib.moe import MoEMLP, expert_capacity, expert_counts, load_balancing_loss, no_drop_factor
-from course_lib.experiments.ep_checks import counted
+from course_lib.experiments.counting import ByteCounter, counted
 from course_lib.experiments.workers.ep_compare import EPReport
 
 EXPERTS, D, H, TOKENS = 8, 8, 16, 16
@@ -139,7 +138,7 @@ def _aux_rank(rank: int, world: int, folder: str, eps: tuple[int, ...]) -> None:
                 layer = ExpertParallelMoE(full, group)
                 full(group_x)
                 full.aux_loss.backward()
-                with counted(counter):  # the forward's collectives, counted from the harness
+                with counted(counter, group, all_to_all=True):  # the forward's collectives, from the harness
                     layer(mine)
                 layer.aux_loss.backward()
                 grad = layer.router.weight.grad.clone()
@@ -224,7 +223,7 @@ def test_aux_loss_over_four_ranks_and_two_groups_of_two(tmp_path: Path) -> None:
 
 
 def test_the_layer_counts_nothing_itself() -> None:
-    # the bytes are counted from the harness (ep_checks.counted), around torch.distributed: the layer has no counter
+    # the bytes are counted from the harness (counting.counted), around torch.distributed: the layer has no counter
     import inspect
 
     from course_lib.parallel.expert_parallel import moe_layer

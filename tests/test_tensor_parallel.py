@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from course_lib import memory
-from course_lib.parallel import collectives as comm
 from course_lib.experiments import launch
+from course_lib.experiments.counting import ByteCounter, counted
 from course_lib.parallel.tensor_parallel import costs as tp_costs
 from course_lib.experiments.run_config import RunConfig, build_model
 from course_lib.experiments.tp_meters import saved_bytes_in
@@ -153,10 +153,11 @@ class _TwoRanks(TPGroup):
 
 def test_tp_block_on_one_rank_and_its_size_checks(one_rank_group) -> None:
     block = build_model(RunConfig(d_model=24, n_heads=3, seq_len=6)).blocks[0]
-    tp = TPGroup()
+    tp, counter = TPGroup(), ByteCounter()
     x = torch.randn(2, 6, 24)
-    out = TPBlock(block, tp, sequence_parallel=True, regather=True)(x)
-    assert torch.allclose(out, block(x), atol=1e-6) and tp.counter.bytes == 0  # one rank sends nothing
+    with counted(counter):
+        out = TPBlock(block, tp, sequence_parallel=True, regather=True)(x)
+    assert torch.allclose(out, block(x), atol=1e-6) and counter.bytes == 0  # one rank sends nothing
     with pytest.raises(ValueError, match="3 heads do not split over 2 ranks"):
         TPBlock(block, _TwoRanks())
     with pytest.raises(ValueError, match="sequence length divisible by 2"):
@@ -357,8 +358,9 @@ def test_sync_replicated_grads_only_under_sequence_parallelism(one_rank_group) -
     for sp, calls in ((False, {}), (True, {"all_reduce": 1})):
         tpb = TPBlock(block, TPGroup(), sequence_parallel=sp)
         tpb(torch.randn(2, 6, 24)).sum().backward()
-        counter = comm.ByteCounter()
-        sync_replicated_grads(tpb, TPGroup(), counter)
+        counter = ByteCounter()
+        with counted(counter):
+            sync_replicated_grads(tpb, TPGroup())
         # without sequence parallelism the replicated gradients are complete: a sum over t ranks would scale them
         assert counter.calls == calls, sp
     mixed = torch.nn.Sequential(TPBlock(block, TPGroup()), TPBlock(block, TPGroup(), sequence_parallel=True))

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from course_lib import memory
 from course_lib.experiments import zero_meters
+from course_lib.experiments.counting import ByteCounter, counted
 from course_lib.experiments.run_config import RunConfig, build_model, global_batch
 from course_lib.experiments.workers.zero_common import run_workers
 from course_lib.experiments.zero_meters import count_collectives, count_fsdp_traffic, held_bytes
@@ -100,12 +101,14 @@ def test_one_rank_zero_is_adam(one_rank_group, stage: int, bucket_mb: float) -> 
     opt = ZeroOptimizer(model, torch.optim.Adam, stage, bucket_cap_mb=bucket_mb, lr=1e-2)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
     assert (len(opt.buckets) > 3) == (bucket_mb < 1)
+    counter = ByteCounter()
     for step in range(3):
         x, y = global_batch(cfg, step)
-        if step:  # the first step runs without zero_grad: gradients made by autograd are copied in
-            opt.zero_grad()
-        lm_loss(model(x), y).backward()
-        opt.step()
+        with counted(counter):
+            if step:  # the first step runs without zero_grad: gradients made by autograd are copied in
+                opt.zero_grad()
+            lm_loss(model(x), y).backward()
+            opt.step()
         ref_opt.zero_grad()
         lm_loss(ref(x), y).backward()
         ref_opt.step()
@@ -115,8 +118,8 @@ def test_one_rank_zero_is_adam(one_rank_group, stage: int, bucket_mb: float) -> 
     held = opt.state_bytes()
     # Adam: two fp32 moments per element and a 4-byte step counter per tensor (one per bucket slice)
     assert held == {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n + 4 * len(opt.buckets)}
-    assert opt.counter.bytes == 0  # nothing to send to oneself
-    assert opt.counter.calls["reduce_scatter"] == 3 * len(opt.buckets)  # one per bucket per backward
+    assert counter.bytes == 0  # nothing to send to oneself
+    assert counter.calls["reduce_scatter"] == 3 * len(opt.buckets)  # one per bucket per backward
     if stage == 2:
         assert all(p.grad is None for p in model.parameters()), "stage 2 keeps only the slices of the gradient"
 
@@ -127,10 +130,12 @@ def test_stage2_accumulates_slices_and_reduces_unused_parameters(one_rank_group)
     opt = ZeroOptimizer(model, torch.optim.Adam, 2, bucket_cap_mb=0.004, lr=1e-2)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
     x, y = global_batch(cfg, 0)
+    counter = ByteCounter()
     opt.zero_grad()
     for xm, ym in zip(x.chunk(2), y.chunk(2)):  # two micro-batches: every bucket reduced after each
-        lm_loss(model(xm), ym).div(2).backward()
-        assert opt.counter.calls["reduce_scatter"] % len(opt.buckets) == 0
+        with counted(counter):
+            lm_loss(model(xm), ym).div(2).backward()
+        assert counter.calls["reduce_scatter"] % len(opt.buckets) == 0
     opt.step()
     ref_opt.zero_grad()
     lm_loss(ref(x), y).backward()
@@ -138,10 +143,11 @@ def test_stage2_accumulates_slices_and_reduces_unused_parameters(one_rank_group)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-12)
     # the last block unused in a step: its buckets never fill, the end of the backward reduces them anyway
-    calls = opt.counter.calls["reduce_scatter"]
+    calls = counter.calls["reduce_scatter"]
     opt.zero_grad()
-    lm_loss(model.head(model.blocks[0](model.embed(x))), y).backward()
-    assert opt.counter.calls["reduce_scatter"] == calls + len(opt.buckets)
+    with counted(counter):
+        lm_loss(model.head(model.blocks[0](model.embed(x))), y).backward()
+    assert counter.calls["reduce_scatter"] == calls + len(opt.buckets)
     assert all(b.piece.grad is not None for b in opt.buckets)
     opt.step()
 
@@ -169,12 +175,13 @@ def test_stage2_without_the_guards_reduces_an_unused_layer_as_zeros(one_rank_gro
     # (Adam's momentum may still move it: GuardedZeroOptimizer leaves it without a gradient instead)
     model = _WithSpare()
     opt = ZeroOptimizer(model, torch.optim.Adam, 2, bucket_cap_mb=1e-4, lr=1e-2)
-    seen = []
-    model.first.weight.register_hook(lambda g: seen.append(opt.counter.calls.get("reduce_scatter", 0)))
+    seen, counter = [], ByteCounter()
+    model.first.weight.register_hook(lambda g: seen.append(counter.calls.get("reduce_scatter", 0)))
     opt.zero_grad()
-    model(torch.randn(4, 8)).pow(2).mean().backward()
+    with counted(counter):
+        model(torch.randn(4, 8)).pow(2).mean().backward()
     assert seen == [0], "the spare layer's bucket comes first: every bucket waits for the end of the backward"
-    assert opt.counter.calls["reduce_scatter"] == len(opt.buckets)
+    assert counter.calls["reduce_scatter"] == len(opt.buckets)
     spare = [b for b in opt.buckets if all(i >= 4 for i in b.params)]
     assert spare and all(b.piece.grad is not None and not b.piece.grad.any() for b in spare)
     opt.step()
@@ -194,9 +201,8 @@ def test_a_gradient_arriving_twice_raises_on_this_rank(one_rank_group) -> None:
 
 def test_meters_reject_plain_models(one_rank_group) -> None:
     model = build_model(RunConfig(d_model=16, n_layers=1, seq_len=8))
-    from course_lib.parallel import collectives as comm
     with pytest.raises(ValueError, match="fully_shard"):
-        count_fsdp_traffic(model, comm.ByteCounter())
+        count_fsdp_traffic(model, ByteCounter())
     opt = torch.optim.Adam(model.parameters())
     assert held_bytes(model, opt) == {"params": memory.param_bytes(model), "grads": 0, "optimizer": 0}
 
@@ -279,13 +285,14 @@ def test_stage2_starts_reduce_scatters_without_waiting_and_skips_unused_ones(one
         started.append(kw.get("async_op", False))
         return real(out, inp, **kw)
     monkeypatch.setattr(zero.comm, "reduce_scatter", spy)
-    seen = []
+    seen, counter = [], ByteCounter()
     for p in (model.first.weight, model.first.bias):  # the last gradients of the backward
-        p.register_hook(lambda g: seen.append((opt.counter.calls.get("reduce_scatter", 0), len(opt._pending))))
+        p.register_hook(lambda g: seen.append((counter.calls.get("reduce_scatter", 0), len(opt._pending))))
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(lambda p: in_flight.append(len(opt._pending)))
     opt.zero_grad()
-    model(torch.randn(4, 8)).pow(2).mean().backward()
+    with counted(counter):
+        model(torch.randn(4, 8)).pow(2).mean().backward()
     assert started and all(started), "every reduce-scatter is started asynchronously"
     assert max(in_flight) == opt.max_in_flight == zero.MAX_IN_FLIGHT, "left running while the backward goes on"
     assert not opt._pending, "every reduce-scatter finished by the end of the backward"

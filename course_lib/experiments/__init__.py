@@ -14,6 +14,7 @@ process; the notebooks call it, and nothing in ``course_lib.parallel`` imports i
 - ``pipedream_runs``, ``pipeline_freeze``: PipeDream's and freeze training's runs on ``p`` ranks.
 - ``step_traces``: one profiled step of DDP or ZeRO per rank.
 - ``tp_meters``: what DTensor sends and autograd saves in chapter 10's runs, and a split module's whole gradients.
+- ``counting``: the bytes a rank sends by the ring formulas, counted around ``torch.distributed`` (``counted``).
 - ``comm_spies``: what ``torch.distributed`` was really handed (calls, bytes), beside the counters' formulas.
 - ``zero_meters``: bytes held, collectives issued and bytes sent by the sharded methods; when ZeRO's buckets leave.
 - ``moe_runs``: chapter 12's training run of the one-process mixture of experts (its load, with and without

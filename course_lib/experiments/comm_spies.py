@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Callable, Iterator
 
 import torch.distributed as dist
@@ -19,6 +20,7 @@ def calls_to(name: str, record: Callable[[object], object]) -> Iterator[list]:
     """Inside the block, record ``record(first argument)`` of every call to ``torch.distributed.<name>``."""
     original, seen = getattr(dist, name), []
 
+    @functools.wraps(original)  # its signature stays torch's, for the spies of blocks inside this one
     def spy(first, *args, **kwargs):
         seen.append(record(first))
         return original(first, *args, **kwargs)

@@ -23,10 +23,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from course_lib import memory, timing
-from course_lib.parallel.collectives import ByteCounter, Exchange, nbytes
+from course_lib.parallel.collectives import Exchange, nbytes
 from course_lib.parallel.context_parallel import layout as cp_layout
 from course_lib.parallel.context_parallel import model as cp_model
 from course_lib.parallel.context_parallel import ring_attention as cp
+from course_lib.experiments.counting import ByteCounter
 from course_lib.experiments.dp_methods import Method, profile_or_time
 from course_lib.experiments.run_config import RunConfig, build_model, global_batch, local_batch, reference
 from course_lib.experiments.results import gather_per_rank, max_abs_diff

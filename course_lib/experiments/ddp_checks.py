@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from course_lib.parallel import collectives as comm
 from course_lib.experiments.clock import clock_for, slowest_rank_s
 from course_lib.experiments.comm_spies import handed_bytes
+from course_lib.experiments.counting import ByteCounter, counted
 from course_lib.parallel.data_parallel.ddp import BucketedDDP, NaiveDDP
 from course_lib.parallel.data_parallel.ddp_dynamic import DynamicBucketedDDP
 from course_lib.experiments.results import WorkerResult
@@ -33,17 +34,17 @@ from course_lib.models import MLP
 SMALL_CAP_MB = 4096 / 2**20  # 4 KiB: about one bucket per weight of this small model, so buckets leave mid-backward
 
 
-def counting_allreduce_hook(counter: comm.ByteCounter) -> Callable:
-    """A DDP communication hook: torch DDP's default all-reduce (average), counted in ``counter``.
+def allreduce_hook() -> Callable:
+    """A DDP communication hook: torch DDP's default all-reduce (average), through ``dist.all_reduce``.
 
-    ``torch_ddp.register_comm_hook(None, counting_allreduce_hook(counter))``;
-    ``counter.calls["all_reduce"]`` then counts the buckets torch DDP sends.
+    ``torch_ddp.register_comm_hook(None, allreduce_hook())``: torch DDP's own all-reduce runs inside its C++
+    reducer, which ``counting.counted`` cannot see; this one it counts, one call per bucket.
     """
     # no annotations on purpose: torch DDP checks them, and `from __future__ import annotations` makes them strings
     def hook(state, bucket):  # (None, dist.GradBucket) -> torch.futures.Future[torch.Tensor]
         t = bucket.buffer()
         t.div_(dist.get_world_size())  # torch DDP's default hook divides before summing, too
-        work = comm.all_reduce(t, counter=counter, async_op=True)
+        work = dist.all_reduce(t, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
     return hook
 
@@ -107,7 +108,7 @@ class WrapperRun(WorkerResult):
 class Sent(WorkerResult):
     """What one wrapper sent in one (second) step."""
 
-    bytes: float            # ByteCounter: the ring formula 2(N-1)/N per byte all-reduced
+    bytes: float            # counting.counted: the ring formula 2(N-1)/N per byte all-reduced
     messages: int           # counted all-reduce calls
     handed_bytes: int       # bytes of every tensor handed to dist.all_reduce (a spy: what the group really got)
     handed_calls: int
@@ -160,24 +161,24 @@ def _max_diff(pairs: Iterable[tuple[torch.Tensor | None, torch.Tensor | None]]) 
     return max(((a - b).abs().max().item() for a, b in pairs if a is not None and b is not None), default=0.0)
 
 
-def _wrap(kind: str, model: nn.Module, ddp_kwargs: dict, cap_mb: float | None,
-          counter: comm.ByteCounter | None = None):
-    """``cap_mb=None``: each wrapper's defaults (25 MiB buckets, the first one 1 MiB)."""
+def _wrap(kind: str, model: nn.Module, ddp_kwargs: dict, cap_mb: float | None, counted_hook: bool = False):
+    """``cap_mb=None``: each wrapper's defaults (25 MiB buckets, the first one 1 MiB); ``counted_hook``: torch DDP's
+    all-reduces through ``allreduce_hook``, where ``counting.counted`` sees them."""
     cap = {} if cap_mb is None else dict(bucket_cap_mb=cap_mb)
     if kind == "naive":
-        return NaiveDDP(model, counter=counter)
+        return NaiveDDP(model)
     if kind == "bucketed":
-        return BucketedDDP(model, counter=counter, **cap)
+        return BucketedDDP(model, **cap)
     if kind == "dynamic":
-        return DynamicBucketedDDP(model, counter=counter, **cap)
+        return DynamicBucketedDDP(model, **cap)
     if kind == "dynamic_first_call":  # the mistake that learning the counts avoids: one call per parameter
         n = sum(p.requires_grad for p in model.parameters())
-        return DynamicBucketedDDP(model, counter=counter, hook_calls=[1] * n, **cap)
+        return DynamicBucketedDDP(model, hook_calls=[1] * n, **cap)
     if kind == "torch":
         # torch DDP keeps its small first bucket only when bucket_cap_mb is left at its default
         ddp = DDP(model, **ddp_kwargs, **cap)
-        if counter is not None:
-            ddp.register_comm_hook(None, counting_allreduce_hook(counter))
+        if counted_hook:
+            ddp.register_comm_hook(None, allreduce_hook())
         return ddp
     raise ValueError(kind)
 
@@ -251,12 +252,12 @@ def time_wrappers(world: int, rank: int, batch: int, in_features: int, hidden: l
                 times[kind].append(seconds / steps * 1e3)
     sent = {}
     for kind in KINDS:  # count the second step: both DDPs set up buckets in the first
-        counter = comm.ByteCounter()
-        model = _wrap(kind, copy.deepcopy(base), {}, cap_mb, counter)
+        counter = ByteCounter()
+        model = _wrap(kind, copy.deepcopy(base), {}, cap_mb, counted_hook=True)  # its broadcast: not counted
         for _ in range(2):
             counter.reset()
             model.zero_grad(set_to_none=True)
-            with handed_bytes("all_reduce") as handed:
+            with handed_bytes("all_reduce") as handed, counted(counter):
                 _backward(model, x, y)
         sent[kind] = Sent(counter.bytes, counter.calls.get("all_reduce", 0), sum(handed), len(handed))
     return Timing({k: statistics.median(v) for k, v in times.items()}, clock.name, sent,
@@ -275,15 +276,15 @@ def no_sync_counts(rank: int, world: int, batch: int, k: int, steps: int, seed: 
     for kind in ("torch", "bucketed", "dynamic"):
         last_grads: dict[bool, list[torch.Tensor]] = {}
         for use_no_sync in (False, True):
-            counter = comm.ByteCounter()
-            model = _wrap(kind, copy.deepcopy(base), {}, SMALL_CAP_MB, counter)
+            counter = ByteCounter()
+            model = _wrap(kind, copy.deepcopy(base), {}, SMALL_CAP_MB, counted_hook=True)
             for step in range(steps + 1):
                 if step == 1:
                     counter.reset()  # count from the second step: both DDPs set up their buckets in the first
                 for j, (x, y) in enumerate(micro):
                     last = j == k - 1
                     ctx = model.no_sync() if (use_no_sync and not last) else contextlib.nullcontext()
-                    with ctx:  # / k: the mean over the k micro-batches
+                    with ctx, counted(counter):  # / k: the mean over the k micro-batches
                         _backward(model, x, y, micro_batches=k, sync=not use_no_sync or last)
                 last_grads[use_no_sync] = [p.grad.clone() for p in model.parameters() if p.grad is not None]
                 model.zero_grad(set_to_none=True)

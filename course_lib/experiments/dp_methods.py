@@ -26,11 +26,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course_lib import kernels, memory
-from course_lib.parallel import collectives as comm
-from course_lib.experiments.ddp_checks import counting_allreduce_hook
+from course_lib.experiments.counting import ByteCounter, counted
+from course_lib.experiments.ddp_checks import allreduce_hook
 from course_lib.experiments.run_config import RunConfig, build_model, local_batch, reference
 from course_lib.experiments.results import gather_per_rank, max_abs_diff, mean_over_ranks
-from course_lib.experiments.zero_meters import count_broadcasts, count_fsdp_traffic, held_bytes
+from course_lib.experiments.zero_meters import count_fsdp_traffic, held_bytes
 from course_lib.parallel.sharding.zero import ZeroOptimizer, shard_fsdp2
 from course_lib.models import lm_loss
 from course_lib.timing import time_s
@@ -112,25 +112,25 @@ class Method:
     # a tensor, summed over the ring after the step so that the step itself waits for nobody)
     step: Callable[[torch.Tensor, torch.Tensor], float | torch.Tensor]
     held: Callable[[], dict[str, int]]
-    counter: comm.ByteCounter
+    counter: ByteCounter
 
 
 def setup(method: str, cfg: RunConfig, device: torch.device) -> Method:
     """The model, its step and meters for ``method``."""
-    counter = comm.ByteCounter()
+    counter = ByteCounter()
     model = build_model(cfg, device)
-    no_sync, sync_counter = None, contextlib.nullcontext
+    # the step's collectives on the default group, counted (the set-up's broadcasts, once per run, are not)
+    no_sync, counting = None, functools.partial(counted, counter)
     if method in ("zero1", "zero2", "zero2_sync"):
         opt = ZeroOptimizer(model, torch.optim.Adam, 1 if method == "zero1" else 2, bucket_cap_mb=cfg.bucket_mb,
                             lr=cfg.lr, **({"max_in_flight": 0} if method == "zero2_sync" else {}))
-        zero_grad, held, counter = opt.zero_grad, opt.state_bytes, opt.counter  # stage 2: reduce-scatters in backward
+        zero_grad, held = opt.zero_grad, opt.state_bytes  # stage 2: reduce-scatters in backward
     else:
         if method in ("ddp", "zero_redundancy"):
             # gradient_as_bucket_view: the buckets *are* the .grad tensors, else DDP holds the gradients twice
             model = DDP(model, gradient_as_bucket_view=True)
-            model.register_comm_hook(None, counting_allreduce_hook(counter))
+            model.register_comm_hook(None, allreduce_hook())  # its all-reduces where ``counted`` sees them
             no_sync = model.no_sync  # accumulate locally, all-reduce once
-            sync_counter = functools.partial(count_broadcasts, counter)  # ZeroRedundancyOptimizer's broadcasts
             if method == "zero_redundancy":
                 from torch.distributed.optim import ZeroRedundancyOptimizer
                 opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=cfg.lr)
@@ -142,6 +142,7 @@ def setup(method: str, cfg: RunConfig, device: torch.device) -> Method:
                 mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             shard_fsdp2(model, reshard_after_forward=(method != "fsdp2_keep"), mp_policy=mp)
             count_fsdp_traffic(model, counter)  # FSDP2 reduce-scatters after every micro-batch by default
+            counting = contextlib.nullcontext  # count_fsdp_traffic counts each of its collectives
         else:
             raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
         if method != "zero_redundancy":
@@ -158,10 +159,10 @@ def setup(method: str, cfg: RunConfig, device: torch.device) -> Method:
     bf16 = (lambda: kernels.bf16_matmuls(device, emulate=("broken",))) if method == "fsdp2_bf16" else contextlib.nullcontext
 
     def step(x: torch.Tensor, y: torch.Tensor) -> float:
-        zero_grad()
-        with bf16():
-            loss = forward_backward(model, x, y, cfg.accumulation, no_sync)
-        with sync_counter():
+        with counting():
+            zero_grad()
+            with bf16():
+                loss = forward_backward(model, x, y, cfg.accumulation, no_sync)
             opt.step()
         return loss
     return Method(model, zero_grad, step, held, counter)

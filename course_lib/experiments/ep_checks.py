@@ -7,21 +7,19 @@ tokens through the one-process layer (each rank computes it: it is small),
 backpropagates ``sum(out * w)``, synchronises the gradients as training would
 (the router's over the world, the experts' over their DP group) and returns an
 ``EPRun``: the differences, the bytes sent, the rows dispatched, the parameters held.
-The bytes are counted from here (``counted``), the layer untouched.
+The bytes are counted from here (``counting.counted``), the layer untouched.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
-from course_lib.parallel import collectives as comm
-from course_lib.parallel.collectives import ByteCounter, nbytes
 from course_lib.parallel.expert_parallel.moe_layer import ExpertParallelMoE, expert_dp_groups
+from course_lib.experiments.counting import ByteCounter, counted
 from course_lib.experiments.results import gather_per_rank, max_over_ranks
 from course_lib.moe import MoEMLP, queue_lengths
 
@@ -68,31 +66,6 @@ def _diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
     return (a - b).abs().max().item() if a.numel() else 0.0
 
 
-@contextlib.contextmanager
-def counted(counter: ByteCounter) -> Iterator[ByteCounter]:
-    """Inside the block, count what this rank sends as chapter 07's counting collectives do: every
-    ``dist.all_to_all_single``'s rows bound for *other* ranks (``all_to_all``; integer tensors, the counts
-    exchange: ``counts``) and every ``dist.all_reduce`` as a ring (``all_reduce``, 2(N-1)/N of its bytes)."""
-    original_a2a, original_ar = dist.all_to_all_single, dist.all_reduce
-
-    def all_to_all_single(out, inp, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
-        splits = input_split_sizes or [inp.shape[0] // dist.get_world_size(group)] * dist.get_world_size(group)
-        row = nbytes(inp[0]) if inp.shape[0] else 0
-        op = "all_to_all" if inp.is_floating_point() else "counts"
-        counter.add(op, row * (sum(splits) - splits[dist.get_rank(group)]))
-        return original_a2a(out, inp, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
-
-    def all_reduce(t, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        comm.count(counter, "all_reduce", t, group)
-        return original_ar(t, op=op, group=group, async_op=async_op)
-
-    dist.all_to_all_single, dist.all_reduce = all_to_all_single, all_reduce
-    try:
-        yield counter
-    finally:
-        dist.all_to_all_single, dist.all_reduce = original_a2a, original_ar
-
-
 def expert_process_groups(ep: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """This rank's EP and DP process groups of ``expert_dp_groups``; every rank makes every group, in the same order,
     as ``new_group`` requires."""
@@ -133,16 +106,18 @@ def run_layer(ep_group: dist.ProcessGroup, dp_group: dist.ProcessGroup, k: int, 
     (ref_out * w).sum().backward()
     ref_out = ref_out.detach()
     x_mine = x[mine].clone().requires_grad_()
-    with counted(counter) if a2a == "by_hand" else contextlib.nullcontext():  # torch's all-to-all: not counted
+    # torch's all-to-all (torch.distributed.nn) is not counted
+    with counted(counter, ep_group, all_to_all=True) if a2a == "by_hand" else contextlib.nullcontext():
         out = layer(x_mine)
         (out * w[mine]).sum().backward()
     # gradient synchronisation: replicated router over the world, each expert over the ranks that hold it
     sync = ByteCounter()
-    for p in layer.router.parameters():
-        comm.all_reduce(p.grad, counter=sync)
-    if dp > 1:
-        for p in layer.experts.parameters():
-            comm.all_reduce(p.grad, counter=sync, group=dp_group)
+    with counted(sync), counted(sync, dp_group):
+        for p in layer.router.parameters():
+            dist.all_reduce(p.grad)
+        if dp > 1:
+            for p in layer.experts.parameters():
+                dist.all_reduce(p.grad, group=dp_group)
 
     first = layer.shard * layer.per
     expert_diff = max(_diff(p.grad, q.grad) for i, m in enumerate(layer.experts)

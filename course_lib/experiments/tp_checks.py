@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from course_lib import memory, timing
-from course_lib.parallel import collectives as comm
+from course_lib.experiments.counting import ByteCounter, counted
 from course_lib.experiments.run_config import RunConfig, build_model, local_batch, reference
 from course_lib.experiments.results import gather_per_rank, max_abs_diff, max_over_ranks, mean_over_ranks
 from course_lib.experiments.tp_meters import CountDTensorComm, full_grads, saved_bytes_in, since, snapshot
@@ -144,15 +144,15 @@ def run_byhand(method: str, block, x, w, ref, tp: TPGroup, device) -> BlockResul
     sp, regather = BYHAND[method]
     tpb = TPBlock(block, tp, sequence_parallel=sp, regather=regather)
     xs = _shard(x, sp, tp).clone().requires_grad_()
-    tp.counter.reset()
-    holder: list = []
-    saved = memory.saved_activation_bytes(lambda: holder.append(tpb(xs)), exclude=list(tpb.parameters()))
-    fwd = snapshot(tp.counter)
-    (holder[0] * _shard(w, sp, tp)).sum().backward()
-    bwd = since(fwd, tp.counter)
-    sync = comm.ByteCounter()
+    counter, sync, holder = ByteCounter(), ByteCounter(), []
+    with counted(counter, tp.group):
+        saved = memory.saved_activation_bytes(lambda: holder.append(tpb(xs)), exclude=list(tpb.parameters()))
+        fwd = snapshot(counter)
+        (holder[0] * _shard(w, sp, tp)).sum().backward()
+        bwd = since(fwd, counter)
     if sp:  # the LayerNorms and row biases saw only this rank's rows
-        sync_replicated_grads(tpb, tp, sync)
+        with counted(sync, tp.group):
+            sync_replicated_grads(tpb, tp)
     return _checked(method, tp.size, sp, tp, holder[0], xs, full_grads(tpb), ref, (fwd, bwd), saved,
                     {n: list(p.shape) for n, p in tpb.named_parameters()}, device, sync_bytes=sync.bytes)
 
@@ -170,7 +170,7 @@ def run_api(method: str, block, x, w, ref, mesh, device) -> BlockResult:
     parallelize_module(hm, mesh, block_plan(sp, keep_dtensor=method != "api_sp_local"))
     tp = TPGroup(mesh.get_group())
     xs = _shard(x, sp, tp).clone().requires_grad_()
-    counter, holder = comm.ByteCounter(), []
+    counter, holder = ByteCounter(), []
     with CountDTensorComm(counter, [mesh]):
         saved = saved_bytes_in([hm], lambda: holder.append(hm(xs)))
         fwd = snapshot(counter)
@@ -215,7 +215,7 @@ _PAIRS: list = []  # the process group of this rank's pair, made once per launch
 
 
 def tp_groups(world: int) -> dict[int, TPGroup]:
-    """Tensor-parallel groups by size, each with a fresh counter: pairs of ranks (0, 1), (2, 3), ... and the world."""
+    """Tensor-parallel groups by size: pairs of ranks (0, 1), (2, 3), ... and the world."""
     sizes = sorted({s for s in (2, world) if s > 1 and world % s == 0})
     if 2 in sizes and world > 2 and not _PAIRS:
         _PAIRS.append(dist.new_subgroups(2)[0])  # every rank joins its pair
@@ -254,7 +254,7 @@ def run_mesh(cfg: RunConfig, dp: int, tp: int, device, ref: tuple[list[float], d
     mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
     sp = tp > 1
     model = parallelize(build_model(cfg, device), mesh, sequence_parallel=sp)
-    tp_counter, dp_counter = comm.ByteCounter(), comm.ByteCounter()
+    tp_counter, dp_counter = ByteCounter(), ByteCounter()
     if dp > 1:
         count_fsdp_traffic(model, dp_counter)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
@@ -280,7 +280,7 @@ def run_mesh(cfg: RunConfig, dp: int, tp: int, device, ref: tuple[list[float], d
     # a copy: a replicated DTensor's full_tensor() is its local tensor, which the optimizer updates in place
     full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
             for n, p in model.named_parameters()}
-    lazy = comm.ByteCounter()
+    lazy = ByteCounter()
     if partial:  # once more, the optimizer reading the partial gradients itself (after the comparison)
         opt.zero_grad()
         lm_loss(model(x), y).backward()
@@ -322,21 +322,23 @@ def run_vocab(cfg: RunConfig, tp: TPGroup, device) -> VocabResult:
 
     split_emb, split_out = VocabParallelEmbedding(emb.tok, tp), ColumnParallelLinear(head.out, tp)
     pos_w, ln = copy.deepcopy(emb.pos), copy.deepcopy(head.ln)
-    sent, calls, before = {}, {}, snapshot(tp.counter)
+    counter = ByteCounter()
+    sent, calls, before = {}, {}, snapshot(counter)
 
     def part(name: str) -> None:
         nonlocal before
-        sent[name], calls[name] = since(before, tp.counter)
+        sent[name], calls[name] = since(before, counter)
         sent[name] = sum(sent[name].values())
-        before = snapshot(tp.counter)
+        before = snapshot(counter)
 
-    h = split_emb(x) + pos_w(pos)
-    part("embedding")
-    logits = split_out(ln(h))                                  # (B, T, V/t): this rank's columns
-    loss = vocab_parallel_cross_entropy(logits, y, tp).mean()
-    part("loss")
-    loss.backward()
-    part("head")                                               # f's all-reduce of the head input's gradient
+    with counted(counter, tp.group):
+        h = split_emb(x) + pos_w(pos)
+        part("embedding")
+        logits = split_out(ln(h))                                  # (B, T, V/t): this rank's columns
+        loss = vocab_parallel_cross_entropy(logits, y, tp).mean()
+        part("loss")
+        loss.backward()
+        part("head")                                               # f's all-reduce of the head input's gradient
     got = {"embed.tok": split_emb.weight.grad, "embed.pos": pos_w.weight.grad, "head.ln": ln.weight.grad,
            "head.out.weight": split_out.weight.grad, "head.out.bias": split_out.bias.grad}
     return VocabResult(

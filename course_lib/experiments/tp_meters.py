@@ -2,8 +2,8 @@
 
 The teaching code (``course_lib.parallel.tensor_parallel``) computes; this measures it from outside.
 DTensor runs its collectives as torch's functional collectives (``torch.ops._c10d_functional``);
-``CountDTensorComm`` counts those with the ring formulas of ``collectives``, as ``collectives``' own
-wrappers count the hand-written layers. ``saved_bytes_in`` is ``memory.saved_activation_bytes`` for
+``CountDTensorComm`` counts those with the ring formulas of ``collectives``, as ``counting.counted`` counts
+the hand-written layers' ``torch.distributed`` calls. ``saved_bytes_in`` is ``memory.saved_activation_bytes`` for
 DTensors and FSDP2. ``full_grads`` gathers a hand-split module's gradients into the single-process shapes.
 """
 
@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode  # no public API counts the ops DTensor dispatches
 
+from course_lib.experiments.counting import ByteCounter
 from course_lib.parallel import collectives as comm
 from course_lib.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -26,10 +27,10 @@ class CountDTensorComm(TorchDispatchMode):
 
     ``meshes`` name the process groups that may appear (a collective on any
     other group raises). An all-gather's input is this rank's shard; the
-    counted size is the gathered tensor's, as in ``comm.all_gather``.
+    counted size is the gathered tensor's, as ``counting.counted`` counts ``comm.all_gather``.
     """
 
-    def __init__(self, counter: comm.ByteCounter, meshes: Iterable):
+    def __init__(self, counter: ByteCounter, meshes: Iterable):
         super().__init__()
         self.counter = counter
         self.sizes = {m.get_group(d).group_name: m.size(d) for m in meshes for d in range(m.ndim)}
@@ -98,12 +99,12 @@ def saved_bytes_in(modules: Iterable[nn.Module], fn: Callable[[], object]) -> in
     return sum(seen.values())
 
 
-def snapshot(counter: comm.ByteCounter) -> tuple[dict[str, float], dict[str, int]]:
+def snapshot(counter: ByteCounter) -> tuple[dict[str, float], dict[str, int]]:
     """A copy of the counter's bytes and calls by collective."""
     return dict(counter.by_op), dict(counter.calls)
 
 
-def since(before: tuple[dict, dict], counter: comm.ByteCounter) -> tuple[dict[str, float], dict[str, int]]:
+def since(before: tuple[dict, dict], counter: ByteCounter) -> tuple[dict[str, float], dict[str, int]]:
     """Bytes and calls by collective added to ``counter`` after ``before = snapshot(counter)``."""
     b, c = before
     return ({k: v - b.get(k, 0.0) for k, v in counter.by_op.items() if v - b.get(k, 0.0)},

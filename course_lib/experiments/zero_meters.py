@@ -4,7 +4,7 @@ Plugged in from outside the algorithms (``course_lib.parallel.sharding``): hooks
 and FSDP2's public custom-collective interface. ``dp_methods``, ``tp_checks``, ``cp_checks`` and the workers use them.
 
 - ``held_bytes``, ``held_bytes_by_device``: the model states a rank holds (DTensor-aware);
-- ``count_fsdp_traffic``, ``count_broadcasts``: FSDP2's and ``ZeroRedundancyOptimizer``'s bytes in a ``ByteCounter``;
+- ``count_fsdp_traffic``: FSDP2's bytes in a ``ByteCounter`` (``counting.counted`` around each of its collectives);
 - ``count_collectives``: every collective handed to ``torch.distributed`` in a block, whoever calls it;
 - ``bucket_timeline``: how many of ``ZeroOptimizer``'s buckets had left as each gradient of a backward was computed.
 """
@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import memory
+from course_lib.experiments.counting import ByteCounter, counted
 from course_lib.parallel import collectives as comm
 from course_lib.parallel.sharding.zero import ZeroOptimizer
 
@@ -52,11 +53,11 @@ def held_bytes_by_device(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     return out
 
 
-def count_fsdp_traffic(model: nn.Module, counter: comm.ByteCounter) -> int:
+def count_fsdp_traffic(model: nn.Module, counter: ByteCounter) -> int:
     """Route every FSDP2 all-gather and reduce-scatter in ``model`` through ``comm``, counting the bytes.
 
-    Uses FSDP2's public hooks ``set_custom_all_gather`` / ``set_custom_reduce_scatter``;
-    the collectives themselves are unchanged (same ``torch.distributed`` calls).
+    Uses FSDP2's public hooks ``set_custom_all_gather`` / ``set_custom_reduce_scatter``; each collective is counted
+    on the group FSDP2 hands it (a mesh's, whichever), and is otherwise unchanged (same ``torch.distributed`` calls).
     Returns how many FSDP modules were instrumented.
     """
     from torch.distributed.fsdp import FSDPModule
@@ -70,15 +71,16 @@ def count_fsdp_traffic(model: nn.Module, counter: comm.ByteCounter) -> int:
             return torch.empty(*size, dtype=dtype, device=device)
 
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            return comm.all_gather(output_tensor, input_tensor, counter=counter, group=group, async_op=async_op)
+            with counted(counter, group):
+                return comm.all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
 
     class CountingReduceScatter(ReduceScatter):
         def allocate(self, size, *, dtype, device):
             return torch.empty(*size, dtype=dtype, device=device)
 
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            return comm.reduce_scatter(output_tensor, input_tensor, op=op, counter=counter, group=group,
-                                       async_op=async_op)
+            with counted(counter, group):
+                return comm.reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not modules:
@@ -87,22 +89,6 @@ def count_fsdp_traffic(model: nn.Module, counter: comm.ByteCounter) -> int:
         m.set_custom_all_gather(CountingAllGather())
         m.set_custom_reduce_scatter(CountingReduceScatter())
     return len(modules)
-
-
-@contextlib.contextmanager
-def count_broadcasts(counter: comm.ByteCounter) -> Iterator[None]:
-    """Count every ``dist.broadcast`` made inside the block (ZeroRedundancyOptimizer's parameter sync)."""
-    original = dist.broadcast
-
-    def counted(tensor, src, *args, **kwargs):
-        counter.add("broadcast", comm.ring_factor("broadcast", dist.get_world_size()) * comm.nbytes(tensor))
-        return original(tensor, src, *args, **kwargs)
-
-    dist.broadcast = counted
-    try:
-        yield
-    finally:
-        dist.broadcast = original
 
 
 # torch.distributed's collectives, by the name the ring formulas know them (``None``: no formula, counted only)
@@ -126,8 +112,8 @@ class Issued:
 def count_collectives() -> Iterator[list[Issued]]:
     """Record every collective handed to ``torch.distributed`` inside the block, by this rank, whoever calls it.
 
-    An independent meter: it counts what the process group is given, not what a ``ByteCounter`` was told (a
-    hidden barrier or flag all-reduce shows here). A collective calling another inside counts once. Bytes: the
+    A wider meter than ``counting.counted``: every kind of collective, on every group (a hidden barrier or flag
+    all-reduce shows here). A collective calling another inside counts once. Bytes: the
     ring formulas of ``collectives`` for the full tensor (the output of an all-gather, the input of a
     reduce-scatter).
     """
@@ -182,15 +168,17 @@ def bucket_timeline(zopt: ZeroOptimizer, model: nn.Module, loss_fn: Callable[[],
     """
     names: list[str] = []
     seen: list[int] = []
+    counter = ByteCounter()
     for name, p in model.named_parameters():
         def computed(grad: torch.Tensor, name: str = name) -> None:  # before autograd accumulates it
             names.append(name)
-            seen.append(zopt.counter.calls.get("reduce_scatter", 0))
+            seen.append(counter.calls.get("reduce_scatter", 0))
         p.register_hook(computed)
     zopt.zero_grad()
-    loss_fn().backward()
+    with counted(counter):
+        loss_fn().backward()
     return BucketTimeline(
         stage=zopt.stage, buckets=len(zopt.buckets), names=names, reduce_scatters_seen=seen,
-        after_backward=zopt.counter.calls.get("reduce_scatter", 0),
+        after_backward=counter.calls.get("reduce_scatter", 0),
         full_grad_bytes_after_backward=memory.grad_bytes(model),
         slice_grad_bytes=sum(memory.tensor_bytes(b.piece.grad) for b in zopt.buckets if b.piece.grad is not None))

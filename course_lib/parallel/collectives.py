@@ -1,7 +1,7 @@
-"""Collectives that count the bytes they send (chapters 07-10 and 12).
+"""The collectives' costs, and the ring all-reduce by hand (chapters 07-10 and 12).
 
-Each wrapper forwards to ``torch.distributed`` and, given a ``ByteCounter``, adds the bytes *this rank* sends
-under the ring algorithm (Patarasuk & Yuan 2009), for a tensor of ``B`` bytes on ``N`` ranks:
+For a tensor of ``B`` bytes on ``N`` ranks, the bytes *each rank* sends under the ring algorithm (Patarasuk &
+Yuan 2009), ``ring_factor`` x B:
 
 - all-reduce:                 2 (N-1)/N x B   (a reduce-scatter, then an all-gather)
 - reduce-scatter, all-gather:   (N-1)/N x B   (B = the full tensor; each rank keeps, or brings, 1/N)
@@ -9,7 +9,9 @@ under the ring algorithm (Patarasuk & Yuan 2009), for a tensor of ``B`` bytes on
 
 So an all-reduce costs about twice the gradient per rank whatever N is: the reason data parallelism scales.
 The counts are the algorithm's, not what gloo happens to run; ``ring_all_reduce`` is the ring by hand, whose
-real sends match the formula. ``exchange`` posts point-to-point messages as one batch, as NCCL needs.
+real sends match the formula. The teaching code calls ``torch.distributed`` (``reduce_scatter`` and ``all_gather``
+check the shapes first); ``course_lib.experiments.counting.counted`` counts what it sends. ``exchange`` posts
+point-to-point messages as one batch, as NCCL needs.
 """
 from __future__ import annotations
 
@@ -18,22 +20,6 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
-
-@dataclass
-class ByteCounter:
-    """Bytes this rank sent: ``bytes`` in total, ``by_op[name]`` per collective, ``calls[name]`` per call."""
-
-    bytes: float = 0.0
-    by_op: dict[str, float] = field(default_factory=dict)
-    calls: dict[str, int] = field(default_factory=dict)
-
-    def add(self, op: str, nbytes: float) -> None:
-        self.bytes += nbytes
-        self.by_op[op] = self.by_op.get(op, 0.0) + nbytes
-        self.calls[op] = self.calls.get(op, 0) + 1
-
-    def reset(self) -> None:
-        self.bytes, self.by_op, self.calls = 0.0, {}, {}
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -51,12 +37,6 @@ def ring_factor(op: str, world: int) -> float:
     return per[op] * (world - 1) / world
 
 
-def count(counter: ByteCounter | None, op: str, t: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
-    """Add to ``counter`` (if any) what ``op`` on the full tensor ``t`` sends per rank: ``ring_factor`` x bytes."""
-    if counter is not None:
-        counter.add(op, ring_factor(op, dist.get_world_size(group)) * nbytes(t))
-
-
 def collective(name: str, older: str) -> Callable:
     """``dist.<name>``, or ``dist.<older>`` on an older torch (a hosted notebook's own): torch 2.14 renamed the
     flat-tensor ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` to ``*_single``."""
@@ -67,42 +47,31 @@ def collective(name: str, older: str) -> Callable:
     return fn
 
 
-def all_reduce(t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, counter: ByteCounter | None = None,
+def all_reduce(t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
                group: dist.ProcessGroup | None = None, async_op: bool = False):
-    """``dist.all_reduce`` in place, counting 2(N-1)/N x bytes(t)."""
-    count(counter, "all_reduce", t, group)
+    """``dist.all_reduce`` in place (for ``expert_parallel``; elsewhere the teaching code calls it directly)."""
     return dist.all_reduce(t, op=op, group=group, async_op=async_op)
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
-                   counter: ByteCounter | None = None, group: dist.ProcessGroup | None = None,
-                   async_op: bool = False):
+                   group: dist.ProcessGroup | None = None, async_op: bool = False):
     """Reduce the full flat ``inp`` over ranks; this rank keeps shard ``rank`` in ``out`` (numel = inp/N)."""
     world = dist.get_world_size(group)
     if inp.numel() != world * out.numel():
         raise ValueError(f"reduce_scatter: input has {inp.numel()} elements, expected world size {world} x "
                          f"output {out.numel()} = {world * out.numel()}; pad the flat tensor to a multiple of {world}")
-    count(counter, "reduce_scatter", inp, group)
     return collective("reduce_scatter_single", "reduce_scatter_tensor")(out, inp, op=op, group=group,
                                                                          async_op=async_op)
 
 
-def all_gather(out: torch.Tensor, inp: torch.Tensor, counter: ByteCounter | None = None,
-               group: dist.ProcessGroup | None = None, async_op: bool = False):
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None = None,
+               async_op: bool = False):
     """Gather every rank's shard ``inp`` into the full flat ``out`` (numel = N x inp), in rank order."""
     world = dist.get_world_size(group)
     if out.numel() != world * inp.numel():
         raise ValueError(f"all_gather: output has {out.numel()} elements, expected world size {world} x "
                          f"input {inp.numel()} = {world * inp.numel()}")
-    count(counter, "all_gather", out, group)
     return collective("all_gather_single", "all_gather_into_tensor")(out, inp, group=group, async_op=async_op)
-
-
-def broadcast(t: torch.Tensor, src: int, counter: ByteCounter | None = None,
-              group: dist.ProcessGroup | None = None, async_op: bool = False):
-    """``dist.broadcast`` from global rank ``src``, counting (N-1)/N x bytes(t)."""
-    count(counter, "broadcast", t, group)
-    return dist.broadcast(t, src, group=group, async_op=async_op)
 
 
 class Message(NamedTuple):
@@ -158,13 +127,13 @@ def exchange(sends: Sequence[Message], recvs: Sequence[Message],
     return Exchange(received=works, sent=works)  # one work for the whole group (NCCL coalesces)
 
 
-def ring_all_reduce(t: torch.Tensor, counter: ByteCounter | None = None) -> torch.Tensor:
+def ring_all_reduce(t: torch.Tensor) -> torch.Tensor:
     """Sum ``t`` over all ranks in place with a ring of point-to-point sends; return ``t``.
 
     The flat tensor is cut into N chunks. Reduce-scatter: for N-1 steps each rank sends one chunk to its right
     neighbour and adds the chunk arriving from its left; afterwards rank r holds the full sum of chunk (r+1) mod N.
     All-gather: N-1 more steps pass the finished chunks around the ring. Every rank sends 2(N-1) chunks,
-    2(N-1)/N x bytes(t), whatever N is. ``counter`` counts the bytes each send really carries.
+    2(N-1)/N x bytes(t), whatever N is (``counted(..., p2p=...)`` counts what each send really carries).
     """
     if not t.is_contiguous():
         raise ValueError("ring_all_reduce works in place on a contiguous tensor; pass t.contiguous()")
@@ -172,7 +141,7 @@ def ring_all_reduce(t: torch.Tensor, counter: ByteCounter | None = None) -> torc
     if world == 1:
         return t
     chunks = list(torch.tensor_split(t.view(-1), world))  # views: writing into them writes into t
-    right, left, sent = (rank + 1) % world, (rank - 1) % world, 0
+    right, left = (rank + 1) % world, (rank - 1) % world
     for step in range(2 * (world - 1)):
         # step s sends chunk rank - s and receives chunk rank - s - 1 (mod N): in the all-gather's steps the one
         # sent is the one finished (or received) the step before
@@ -181,11 +150,8 @@ def ring_all_reduce(t: torch.Tensor, counter: ByteCounter | None = None) -> torc
         # the send and the receive in one batch: blocking send-then-recv on every rank would deadlock
         # the ring, and at N = 2 both go to the same peer, which NCCL only runs as one group
         exchange([Message(out.contiguous(), right)], [Message(buf, left)]).wait()
-        sent += nbytes(out)
         if step < world - 1:
             into.add_(buf)   # reduce-scatter: add the left neighbour's partial sum
         else:
             into.copy_(buf)  # all-gather: take the finished chunk
-    if counter is not None:
-        counter.add("ring_all_reduce", sent)
     return t

@@ -30,6 +30,7 @@ from course_lib import data
 from course_lib.parallel import collectives as comm
 from course_lib.experiments import launch
 from course_lib.experiments.clock import Clock, clock_for, slowest_rank_s
+from course_lib.experiments.counting import ByteCounter, counted
 from course_lib.experiments.results import WorkerResult
 from course_lib.models import ResNet
 
@@ -95,8 +96,9 @@ def weak_scaling(a: argparse.Namespace, rank: int, world: int, device: torch.dev
     flat = torch.cat([p.grad.flatten() for p in model.parameters()])
     expected = flat.clone()
     dist.all_reduce(expected)
-    counter = comm.ByteCounter()
-    comm.ring_all_reduce(flat, counter=counter)
+    counter = ByteCounter()
+    with counted(counter, p2p="ring_all_reduce"):  # the bytes each of its sends carries
+        comm.ring_all_reduce(flat)
     grad_bytes = comm.nbytes(flat)
     return ScalingResult(
         world=world, batch_per_rank=a.batch, global_batch=world * a.batch,

@@ -11,9 +11,9 @@ Modes:
   can check that the launcher left none of them alive.
 - ``mismatch``: rank 0 all-reduces, rank 1 never joins: the process group's
   timeout (``--pg-timeout``) turns the wait into an error.
-- ``comm``: the counting collectives and the hand-written ring all-reduce,
-  checked against ``torch.distributed`` and the 2(N-1)/N formula, with the
-  point-to-point batches the ring posted.
+- ``comm``: the collectives as ``counting.counted`` counts them and the
+  hand-written ring all-reduce, checked against ``torch.distributed`` and the
+  2(N-1)/N formula, with the point-to-point batches the ring posted.
 
 Every tensor lives on the rank's device (a GPU under NCCL). Rank 0 reports an
 ``OkResult`` or ``CommChecks``; the parent reads it with ``from_dict``.
@@ -35,6 +35,7 @@ import torch.distributed as dist
 from course_lib.parallel import collectives as comm
 from course_lib.experiments import launch
 from course_lib.experiments.comm_spies import calls_to
+from course_lib.experiments.counting import ByteCounter, counted
 from course_lib.experiments.results import WorkerResult
 
 FOREVER_S = 3600  # longer than any test's timeout
@@ -85,28 +86,30 @@ def _write_pid(pid_dir: str | None, name: str, pid: int) -> None:
 
 
 def _comm_checks(rank: int, world: int, device: torch.device) -> CommChecks:
-    """Counts and results of every counting collective, for numels divisible by N and not."""
+    """Counts (``counted``'s) and results of every collective, for numels divisible by N and not."""
     ring = {}
     g = torch.Generator().manual_seed(1234 + rank)
     for numel in (world * 1000, world * 1000 + 1):  # even chunks, then uneven ones
         x = torch.randn(numel, generator=g, dtype=torch.float32).to(device)
         expected = x.clone()
         dist.all_reduce(expected)
-        c = comm.ByteCounter()
+        c = ByteCounter()
         y = x.clone()
         # the ops of every dist.batch_isend_irecv call: a ring step posts its send and receive together
-        with calls_to("batch_isend_irecv", lambda ops: [op.op.__name__ for op in ops]) as batches:
-            comm.ring_all_reduce(y, counter=c)
+        with calls_to("batch_isend_irecv", lambda ops: [op.op.__name__ for op in ops]) as batches, \
+                counted(c, p2p="ring_all_reduce"):
+            comm.ring_all_reduce(y)
         ring[str(numel)] = RingCheck((y - expected).abs().max().item(), c.bytes, comm.nbytes(x), batches)
-    c = comm.ByteCounter()
+    c = ByteCounter()
     x = torch.full((world * 256,), float(rank + 1), device=device)
-    comm.all_reduce(x, counter=c)
     shard = torch.empty(256, device=device)
-    comm.reduce_scatter(shard, torch.arange(world * 256, dtype=torch.float32, device=device), counter=c)
     full = torch.empty(world * 256, device=device)
-    comm.all_gather(full, torch.full((256,), float(rank), device=device), counter=c)
     b = torch.full((world * 256,), float(rank), device=device)
-    comm.broadcast(b, src=0, counter=c)
+    with counted(c):  # the harness's count of each collective
+        dist.all_reduce(x)
+        comm.reduce_scatter(shard, torch.arange(world * 256, dtype=torch.float32, device=device))
+        comm.all_gather(full, torch.full((256,), float(rank), device=device))
+        dist.broadcast(b, src=0)
     expected_shard = torch.arange(rank * 256, (rank + 1) * 256, dtype=torch.float32, device=device) * world
     wrappers = WrapperCheck(
         all_reduce_ok=bool(torch.all(x == world * (world + 1) / 2)),

@@ -55,14 +55,14 @@ class Bucket:
         self.views = [v.view_as(p) for v, p in zip(self.flat.split(self.sizes), self.params)]
 
     @torch.no_grad()
-    def send(self, counter: comm.ByteCounter | None = None) -> None:
+    def send(self) -> None:
         """Start the bucket's all-reduce; it returns at once and runs while backward goes on."""
         for p, view in zip(self.params, self.views):
             if p.grad is None:
                 view.zero_()            # no gradient here: adds nothing to the sum, and p.grad stays None
             elif p.grad is not view:
                 view.copy_(p.grad)      # a .grad autograd made afresh: the one copy in
-        self.work = comm.all_reduce(self.flat, counter=counter, async_op=True)
+        self.work = dist.all_reduce(self.flat, async_op=True)
 
     @torch.no_grad()
     def finish(self, world: int) -> None:
@@ -83,20 +83,19 @@ def _require_process_group() -> int:
 
 
 @torch.no_grad()
-def broadcast_module(module: nn.Module, src: int = 0, counter: comm.ByteCounter | None = None) -> None:
+def broadcast_module(module: nn.Module, src: int = 0) -> None:
     """Copy rank ``src``'s parameters and buffers to every rank, so all replicas start equal."""
     for t in [*module.parameters(), *module.buffers()]:
-        comm.broadcast(t.data, src, counter=counter)
+        dist.broadcast(t.data, src)
 
 
 class _Replicated(nn.Module):
     """What every DDP wrapper does: check the process group, start all replicas equal, ``no_sync``."""
 
-    def __init__(self, module: nn.Module, counter: comm.ByteCounter | None = None):
+    def __init__(self, module: nn.Module):
         super().__init__()
         self.world = _require_process_group()
         self.module = module
-        self.counter = counter
         self._sync = True
         broadcast_module(module)
 
@@ -124,8 +123,8 @@ class NaiveDDP(_Replicated):
         for p in self.module.parameters():
             # None: frozen, or unused on every rank (the bet: every rank then skips it alike), as in one process
             if p.grad is not None:
-                comm.all_reduce(p.grad, counter=self.counter)  # sum over ranks ...
-                p.grad.div_(self.world)                          # ... then the mean
+                dist.all_reduce(p.grad)   # sum over ranks ...
+                p.grad.div_(self.world)   # ... then the mean
 
 
 class BucketedDDP(_Replicated):
@@ -137,11 +136,10 @@ class BucketedDDP(_Replicated):
     bet that every rank uses the same parameters, for graphs that differ from rank to rank.
     """
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, counter: comm.ByteCounter | None = None,
-                 first_bucket_mb: float | None = 1.0):
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, first_bucket_mb: float | None = 1.0):
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
-        super().__init__(module, counter)
+        super().__init__(module)
         self.params = [p for p in module.parameters() if p.requires_grad]  # frozen ones need no bucket
         sizes = [comm.nbytes(p) for p in self.params]
         keys = [(p.dtype, p.device) for p in self.params]                 # a bucket is one flat tensor
@@ -174,7 +172,7 @@ class BucketedDDP(_Replicated):
             self._next += 1
 
     def _send(self, b: Bucket) -> None:
-        b.send(self.counter)
+        b.send()
 
     def _finish(self, b: Bucket) -> None:
         b.finish(self.world)

@@ -19,18 +19,18 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from course_lib.parallel import collectives as comm
 from course_lib.parallel.data_parallel.ddp import Bucket, BucketedDDP
 
 
 class DynamicBucketedDDP(BucketedDDP):
     """``BucketedDDP`` with hook counts learned on the first step, unused-parameter flags and late re-sends."""
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, counter: comm.ByteCounter | None = None,
-                 first_bucket_mb: float | None = 1.0, hook_calls: Sequence[int] | None = None):
-        super().__init__(module, bucket_cap_mb, counter, first_bucket_mb)
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, first_bucket_mb: float | None = 1.0,
+                 hook_calls: Sequence[int] | None = None):
+        super().__init__(module, bucket_cap_mb, first_bucket_mb)
         if hook_calls is not None and len(hook_calls) != len(self.params):
             raise ValueError(f"hook_calls needs one count per trainable parameter, {len(self.params)}")
         # hook calls per parameter and backward: learned on the first step (None until then)
@@ -62,7 +62,7 @@ class DynamicBucketedDDP(BucketedDDP):
         flags = torch.tensor([float(p.grad is not None) for p in b.params] + late, dtype=b.flat.dtype,
                              device=b.flat.device)
         b.flat = torch.cat(grads + [flags])
-        b.work = comm.all_reduce(b.flat, counter=self.counter, async_op=True)  # returns at once
+        b.work = dist.all_reduce(b.flat, async_op=True)  # returns at once
 
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:

@@ -44,8 +44,8 @@ class ZeroOptimizer:
     """ZeRO stage 1 or 2 around an element-wise optimizer, on every rank: ``zero_grad(); loss.backward(); step()``.
     The trainable parameters become views of one flat buffer cut into buckets (``zero_buckets``), synchronised
     from rank 0 here; buffers (BatchNorm's statistics) are not. The inner optimizer sees this rank's slice of
-    each bucket, ``bucket.piece``. ``counter`` counts the bytes this rank sends (``collectives``' ring formulas).
-    Every rank must run the same backwards: ``agreement.GuardedZeroOptimizer`` lets them differ.
+    each bucket, ``bucket.piece``. Every rank must run the same backwards: ``agreement.GuardedZeroOptimizer`` lets
+    them differ.
     """
 
     def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], stage: int,
@@ -56,10 +56,9 @@ class ZeroOptimizer:
         self.layout = FlatLayout(self.params, self.world, bucket_cap_mb)
         self.buckets = self.layout.buckets
         self.flat_params = self.layout.flatten()  # the model's parameters are views of it now
-        comm.broadcast(self.flat_params, src=0)  # rank 0's weights everywhere, as DDP (once per run: not counted)
+        dist.broadcast(self.flat_params, src=0)  # rank 0's weights everywhere, as DDP (once per run)
         # the inner optimizer updates this rank's pieces in place, which writes straight into the weights
         self.optimizer = optimizer_cls(self.layout.cut_pieces(self.flat_params, self.rank), **optimizer_kwargs)
-        self.counter = comm.ByteCounter()
         self.flat_grads: torch.Tensor | None = None  # stage 1's full gradient buffer
         self._reduced = False  # stage 1: this step's gradient is reduced already (by clip_grad_norm_)
         self._pending: collections.deque = collections.deque()  # stage 2's reduce-scatters in flight, oldest first
@@ -92,7 +91,7 @@ class ZeroOptimizer:
         # all-gather, bucket by bucket: every rank receives every updated slice, (N-1)/N x the bucket's bytes.
         # The input is a copy of our slice because the output region contains it.
         for b in self.buckets:
-            comm.all_gather(b.region(self.flat_params), b.piece.detach().clone(), counter=self.counter)
+            comm.all_gather(b.region(self.flat_params), b.piece.detach().clone())
         self._reduced = False
 
     @torch.no_grad()
@@ -107,7 +106,7 @@ class ZeroOptimizer:
         grads = [b.piece.grad for b in self.buckets if b.piece.grad is not None]
         sq = torch.zeros(1, dtype=torch.float64, device=self.flat_params.device) + sum(g.double().pow(2).sum()
                                                                                         for g in grads)
-        comm.all_reduce(sq, counter=self.counter)  # the sum of every rank's slices
+        dist.all_reduce(sq)  # the sum of every rank's slices
         norm = sq.sqrt().to(self.flat_params.dtype)
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
         for g in grads:
@@ -149,7 +148,7 @@ class ZeroOptimizer:
         full = self._grads[k] if self._grads[k] is not None else self.buckets[k].zeros()  # none arrived here
         self._grads[k] = None
         out = torch.empty(self.buckets[k].slots, dtype=full.dtype, device=full.device)
-        work = comm.reduce_scatter(out, full, counter=self.counter, async_op=True)  # (N-1)/N x the bucket's bytes
+        work = comm.reduce_scatter(out, full, async_op=True)  # (N-1)/N x the bucket's bytes
         self._pending.append((self.buckets[k], out, full, work))  # ``full`` must live until the collective is done
         self._next += 1
         while len(self._pending) > self.max_in_flight:  # the backward computes on while the newest travel
@@ -210,7 +209,7 @@ class ZeroOptimizer:
         grads = self._collect()
         for b in self.buckets:
             out = torch.empty(b.slots, dtype=grads.dtype, device=grads.device)
-            comm.reduce_scatter(out, b.region(grads), counter=self.counter)  # (N-1)/N x the bucket's bytes
+            comm.reduce_scatter(out, b.region(grads))  # (N-1)/N x the bucket's bytes
             # the full buffer stays (stage 1 does not shard it); this rank's slice becomes the mean
             b.piece.grad = b.shard(grads, self.rank).copy_(out.div_(self.world))
         self._reduced = True

@@ -6,14 +6,14 @@ rows and takes the matching slice of its input: ``Y = sum_r X_r A_r``, a sum ove
 the attention with its heads split) needs one all-reduce forward and one backward, done by two conjugate operators
 (Shoeybi et al. 2019, section 3): ``f`` (identity forward, all-reduce backward) before the column-parallel linear,
 ``g`` (all-reduce forward, identity backward) after the row-parallel one. ``TPBlock`` splits a ``TransformerBlock``
-so; with ``sequence_parallel`` its LayerNorm regions run on sequence shards (``sequence_parallel.py``). Each
-collective is counted in ``TPGroup.counter``. Activations are (batch, sequence, features).
+so; with ``sequence_parallel`` its LayerNorm regions run on sequence shards (``sequence_parallel.py``).
+Activations are (batch, sequence, features).
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -27,10 +27,9 @@ from course_lib.models import TransformerBlock
 
 @dataclass
 class TPGroup:
-    """The ranks that share one layer (``group=None``: all of them), and the bytes this rank sends in it."""
+    """The ranks that share one layer (``group=None``: all of them)."""
 
     group: dist.ProcessGroup | None = None
-    counter: comm.ByteCounter = field(default_factory=comm.ByteCounter)
 
     @property
     def size(self) -> int:
@@ -43,14 +42,14 @@ class TPGroup:
     def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
         """The sum (or ``op``) of ``x`` over the group, in a new tensor (autograd may still need ``x``)."""
         out = x.clone(memory_format=torch.contiguous_format)
-        comm.all_reduce(out, op, counter=self.counter, group=self.group)
+        dist.all_reduce(out, op, group=self.group)
         return out
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's ``x`` concatenated along ``dim``, in rank order."""
         x = x.contiguous()
         out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))  # gloo wants the ranks' parts along dim 0
-        comm.all_gather(out, x, counter=self.counter, group=self.group)
+        comm.all_gather(out, x, group=self.group)
         return torch.cat(out.chunk(self.size), dim=dim)
 
     def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -60,7 +59,7 @@ class TPGroup:
                              f"choose a sequence length divisible by {self.size}")
         stacked = torch.cat(x.chunk(self.size, dim=dim))  # the ranks' chunks along dim 0: chunk r goes to rank r
         out = x.new_empty(stacked.shape[0] // self.size, *stacked.shape[1:])
-        comm.reduce_scatter(out, stacked, counter=self.counter, group=self.group)
+        comm.reduce_scatter(out, stacked, group=self.group)
         return out
 
 
@@ -203,7 +202,7 @@ class TPBlock(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-def sync_replicated_grads(module: nn.Module, tp: TPGroup, counter: comm.ByteCounter | None = None) -> None:
+def sync_replicated_grads(module: nn.Module, tp: TPGroup) -> None:
     """Sum the replicated parameters' gradients over ``tp`` under sequence parallelism, in one message.
 
     Without sequence parallelism every rank saw the whole sequence: those gradients are complete and equal on every
@@ -219,6 +218,6 @@ def sync_replicated_grads(module: nn.Module, tp: TPGroup, counter: comm.ByteCoun
     if not (params and linears and linears[0].sequence_parallel):
         return
     flat = torch.cat([p.grad.reshape(-1) for p in params])
-    comm.all_reduce(flat, counter=counter, group=tp.group)
+    dist.all_reduce(flat, group=tp.group)
     for p, g in zip(params, flat.split([p.numel() for p in params])):
         p.grad.copy_(g.view_as(p.grad))
