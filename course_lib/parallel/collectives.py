@@ -47,12 +47,6 @@ def collective(name: str, older: str) -> Callable:
     return fn
 
 
-def all_reduce(t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
-               group: dist.ProcessGroup | None = None, async_op: bool = False):
-    """``dist.all_reduce`` in place (for ``expert_parallel``; elsewhere the teaching code calls it directly)."""
-    return dist.all_reduce(t, op=op, group=group, async_op=async_op)
-
-
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
                    group: dist.ProcessGroup | None = None, async_op: bool = False):
     """Reduce the full flat ``inp`` over ranks; this rank keeps shard ``rank`` in ``out`` (numel = inp/N)."""

@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib.parallel.collectives import all_reduce
 from course_lib.moe import MoEMLP, Routing, expert_batches, expert_counts, queue_lengths, route
 
 
@@ -131,7 +130,7 @@ def group_load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor,
     # all-reduces the gradient as well, so every rank's router would get the gradient of all the group's tokens, and
     # after the router's gradient sync (a sum over ranks) e times the one-process gradient. Here the other ranks' sums
     # enter as constants: no collective in the backward. Cost: 2E + 1 numbers per forward, one latency-bound message.
-    all_reduce(stats, group=group)
+    dist.all_reduce(stats, group=group)
     counts, sums, n = stats[:n_experts], stats[n_experts:2 * n_experts], stats[-1]
     f = counts / n  # no gradient
     # value: the group's sums exactly (mine - mine.detach() is 0); gradient: d/d(mine) only
