@@ -7,8 +7,9 @@ computes the weight gradients its ``B`` left (``split_backward``); ``("F", i, c)
 
 Between two ops a rank posts one batch of messages (``message_batches``): the send of the op just finished and the
 receive of the next. It waits only for the receive, so a schedule the simulator can play cannot deadlock here, and
-it keeps each sent tensor only until a later message proves that the peer has it (``send_releases``). A stage
-without backward (a frozen prefix, ``freeze``) keeps no graph. ``Watch`` is where the experiments plug in.
+it keeps each sent tensor only until a later message proves that the peer has it (``send_releases``).
+
+A stage without backward (a frozen prefix, ``freeze``) keeps no graph. ``Watch`` is where the experiments plug in.
 """
 
 from __future__ import annotations

@@ -40,9 +40,10 @@ def gpipe_order(num_stages: int, num_microbatches: int, stage: int) -> list[Op]:
 
 
 def one_f_one_b_order(num_stages: int, num_microbatches: int, stage: int) -> list[Op]:
-    """1F1B order of one stage (PipeDream-Flush, Narayanan et al. 2021): ``min(p - s - 1, m)`` warm-up forwards,
-    just enough that its first backward arrives when the pipe is full. Each backward frees a micro-batch's
-    activations, so at most ``p - s`` are alive at once."""
+    """1F1B order of one stage in three phases (PipeDream-Flush, Narayanan et al. 2021): ``min(p - s - 1, m)``
+    warm-up forwards, just enough that its first backward arrives when the pipe is full; then one forward, one
+    backward, in turn; then the backwards left. Each backward frees a micro-batch's activations, so at most
+    ``p - s`` are alive at once."""
     _check_sizes(num_stages, num_microbatches, stage=stage)
     p, m = num_stages, num_microbatches
     warmup = min(p - stage - 1, m)
