@@ -70,9 +70,9 @@ def test_peak_per_rank(c: dict) -> None:
         assert transient[f"fsdp2/{n}"] > others  # gathered blocks and their gradients in flight
     for n, saving in c["ch09/zero2_peak_saving_over_grad_share"].items():
         # what ZeRO-2 does not hold, (N-1)/N of the gradient, less the bucket in flight. On a CPU the peak errs
-        # high by the buffers gloo frees on its own thread (dp_methods.MEASURED_STEPS): at 4 ranks, smoke, on
-        # idle machines it measured 0.71 on most runs and 0.68 on one: the bound keeps the claim (most of the share
-        # is saved) with room for that error
+        # high by the buffers gloo frees on its own thread (dp_methods.MEASURED_STEPS: the lowest of the measured
+        # steps). At smoke, 0.74 at both N with three measured steps; with one (measure_steps=3 then), a CI run
+        # measured 0.59 at N = 2. The bound keeps the claim (most of the share is saved) with room for the error
         assert 0.6 <= saving <= 1.05, f"N = {n}: ZeRO-2 saves {saving} x (N-1)/N x G"
 
 
