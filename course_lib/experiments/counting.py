@@ -14,6 +14,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+import torch
 import torch.distributed as dist
 
 from course_lib.parallel.collectives import nbytes, ring_factor
@@ -43,6 +44,17 @@ RING = {"all_reduce": ("all_reduce", 0), "broadcast": ("broadcast", 0),
         "all_gather_single": ("all_gather", 0), "all_gather_into_tensor": ("all_gather", 0)}
 
 
+@functools.cache
+def _signature(fn: Callable) -> inspect.Signature:
+    """torch's own signature of ``fn``, computed once (a block is entered every step it measures)."""
+    return inspect.signature(fn)
+
+
+def add_ring(counter: ByteCounter, op: str, full: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+    """Add to ``counter`` what ``op`` on the full tensor ``full`` sends per rank of ``group`` (ring formula)."""
+    counter.add(op, ring_factor(op, dist.get_world_size(group)) * nbytes(full))
+
+
 def _same_group(a: dist.ProcessGroup | None, b: dist.ProcessGroup | None) -> bool:
     """``None`` is the default group (torch's own code passes ``dist.group.WORLD`` for it)."""
     return (dist.group.WORLD if a is None else a) is (dist.group.WORLD if b is None else b)
@@ -64,14 +76,13 @@ def counted(counter: ByteCounter, group: dist.ProcessGroup | None = None, all_to
 
     def ring(name: str, fn: Callable) -> Callable:
         op, at = RING[name]
-        signature = inspect.signature(fn)  # torch's own, through the spies of enclosing blocks (functools.wraps)
+        signature = _signature(inspect.unwrap(fn))  # torch's own, under the spies of enclosing blocks
 
         @functools.wraps(fn)
         def spy(*args, **kwargs):
             given = signature.bind(*args, **kwargs).arguments
-            g = given.get("group")
-            if _same_group(g, measured):
-                counter.add(op, ring_factor(op, dist.get_world_size(g)) * nbytes(list(given.values())[at]))
+            if _same_group(given.get("group"), measured):
+                add_ring(counter, op, list(given.values())[at], given.get("group"))
             return fn(*args, **kwargs)
         return spy
 

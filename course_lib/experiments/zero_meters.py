@@ -4,7 +4,7 @@ Plugged in from outside the algorithms (``course_lib.parallel.sharding``): hooks
 and FSDP2's public custom-collective interface. ``dp_methods``, ``tp_checks``, ``cp_checks`` and the workers use them.
 
 - ``held_bytes``, ``held_bytes_by_device``: the model states a rank holds (DTensor-aware);
-- ``count_fsdp_traffic``: FSDP2's bytes in a ``ByteCounter`` (``counting.counted`` around each of its collectives);
+- ``count_fsdp_traffic``: FSDP2's bytes in a ``ByteCounter`` (``counting.add_ring`` for each of its collectives);
 - ``count_collectives``: every collective handed to ``torch.distributed`` in a block, whoever calls it;
 - ``bucket_timeline``: how many of ``ZeroOptimizer``'s buckets had left as each gradient of a backward was computed.
 """
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import memory
-from course_lib.experiments.counting import ByteCounter, counted
+from course_lib.experiments.counting import RING, ByteCounter, add_ring, counted
 from course_lib.parallel import collectives as comm
 from course_lib.parallel.sharding.zero import ZeroOptimizer
 
@@ -71,16 +71,16 @@ def count_fsdp_traffic(model: nn.Module, counter: ByteCounter) -> int:
             return torch.empty(*size, dtype=dtype, device=device)
 
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            with counted(counter, group):
-                return comm.all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
+            add_ring(counter, "all_gather", output_tensor, group)
+            return comm.all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
 
     class CountingReduceScatter(ReduceScatter):
         def allocate(self, size, *, dtype, device):
             return torch.empty(*size, dtype=dtype, device=device)
 
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            with counted(counter, group):
-                return comm.reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+            add_ring(counter, "reduce_scatter", input_tensor, group)
+            return comm.reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not modules:
@@ -92,9 +92,7 @@ def count_fsdp_traffic(model: nn.Module, counter: ByteCounter) -> int:
 
 
 # torch.distributed's collectives, by the name the ring formulas know them (``None``: no formula, counted only)
-COLLECTIVES = {"all_reduce": "all_reduce", "reduce_scatter_single": "reduce_scatter",
-               "reduce_scatter_tensor": "reduce_scatter", "all_gather_single": "all_gather",
-               "all_gather_into_tensor": "all_gather", "broadcast": "broadcast", "reduce_scatter": None,
+COLLECTIVES = {**{name: op for name, (op, _) in RING.items()}, "reduce_scatter": None,
                "all_gather": None, "barrier": None, "reduce": None, "gather": None, "scatter": None,
                "all_to_all_single": None, "all_gather_object": None, "broadcast_object_list": None,
                "batch_isend_irecv": None, "send": None, "recv": None, "isend": None, "irecv": None}
@@ -126,8 +124,7 @@ def count_collectives() -> Iterator[list[Issued]]:
             if depth[0] == 0:
                 op, sent = COLLECTIVES[name] or name, None
                 if COLLECTIVES[name] is not None:
-                    given = [*args, *kwargs.values()]  # (out, in) for the flat ones, (tensor, ...) for the rest
-                    full = given[1] if op == "reduce_scatter" else given[0]
+                    full = [*args, *kwargs.values()][RING[name][1]]  # the position counting.counted reads
                     group = kwargs.get("group")
                     sent = comm.ring_factor(op, dist.get_world_size(group)) * comm.nbytes(full)
                 seen.append(Issued(op, sent))
