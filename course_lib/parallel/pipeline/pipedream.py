@@ -92,8 +92,9 @@ class WeightStash:
     def apply(self, i: int) -> int:
         """Micro-batch ``i``'s update; returns the version its forward used."""
         version, copy = self.copies.pop(i)
-        for name, p in self.module.named_parameters() if copy else ():
-            p.grad = copy[name].grad                      # the gradient at the stashed version ...
+        if copy:                    # without one (stash=False) the gradient is on the live weights already
+            for name, p in self.module.named_parameters():
+                p.grad = copy[name].grad                  # the gradient at the stashed version ...
         self.optimizer.step()                             # ... applied to the newest weights
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
